@@ -1,0 +1,24 @@
+import warnings
+
+# The shards job runs one shard (CLI); asset backfills from the UI use each asset's own BackfillPolicy, so
+# the job-level "varying BackfillPolicies" warning does not apply. Partitioned checks are a preview API.
+warnings.filterwarnings("ignore", message=".*varying BackfillPolicies")
+warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec")
+warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of function `asset` is currently in beta")
+
+from assets.diffusion import diffusion_samples
+from assets.embeddings import clip_embeddings, reordered_embeddings
+from assets.energon import diffusion_energon_index, image_energon_index
+from assets.images import image_shards
+from assets.nemo import balanced_shards, precached_encodings, wdinfo
+from assets.partitions import shard_partitions
+from assets.report import dataset_report
+from assets.source import source_parquet
+
+per_shard_assets = [source_parquet, image_shards, clip_embeddings, reordered_embeddings, diffusion_samples]
+global_assets = [balanced_shards, wdinfo, precached_encodings, image_energon_index, diffusion_energon_index,
+                 dataset_report]
+
+__all__ = ["balanced_shards", "clip_embeddings", "dataset_report", "diffusion_energon_index", "diffusion_samples", "global_assets",
+           "image_energon_index", "image_shards", "per_shard_assets", "precached_encodings", "reordered_embeddings",
+           "shard_partitions", "source_parquet", "wdinfo"]

@@ -1,0 +1,46 @@
+"""diffusion_samples: NeMo diffusion training samples per shard (latents, T5 states, metadata)."""
+
+import dagster as dg
+
+from assets.images import image_shards
+from assets.partitions import shard_partitions
+from assets.shard_runs import GPU_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, materialize_shards
+from resources.dataset import DatasetResource
+from resources.nemo import NemoEncoders
+from shardprep.diffusion import write_diffusion_samples
+from shardprep.storage import exists
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[image_shards],
+    group_name="nemo_diffusion",
+    kinds={"webdataset", "pytorch"},
+    pool="gpu",
+    automation_condition=SHARD_AUTOMATION,
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
+)
+def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,
+                      nemo: NemoEncoders) -> dg.MaterializeResult:
+    """``<root>/diffusion/{shard}.tar`` with NeMo's diffusion members: ``{key}..pth`` (bf16 latent
+    ``[C, 1, h, w]``), ``{key}..pickle`` (float16 T5 states ``[L, d]``, no padding) and ``{key}..json``.
+    NaN/Inf latents are recorded failures; a shard with no sample gets no tar."""
+    cfg, layout = dataset.config, dataset.layout
+
+    def one(key: str) -> dict:
+        if not cfg.enable_nemo_diffusion:
+            return {"status": "disabled (enable_nemo_diffusion: false)"}
+        if exists(layout.diffusion_tar(key)) and not config.rebuild:
+            return {"status": "cached"}
+        if not exists(layout.tar(key)):
+            return {"status": "no samples (shard has no tar)", "samples": 0}
+        r = write_diffusion_samples(key, layout, nemo.t5(), nemo.diffusion_autoencoder(),
+                                    resolution=cfg.diffusion_resolution, batch_size=cfg.nemo_batch_size)
+        reasons: dict[str, int] = {}
+        for f in r.failures:
+            reasons[f["reason"]] = reasons.get(f["reason"], 0) + 1
+        return {"status": "written", "samples": r.samples, "failures": len(r.failures),
+                "failures_by_reason": dg.MetadataValue.json(reasons), "latent_shape": str(r.latent_shape),
+                "text_dim": r.text_dim or 0, "bytes": r.tar_bytes, "seconds": round(r.seconds, 3)}
+
+    return materialize_shards(context, one)

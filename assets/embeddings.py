@@ -1,0 +1,86 @@
+"""clip_embeddings (clip-retrieval layout) and reordered_embeddings (one npy per tar for DALLE2)."""
+
+import os
+
+import dagster as dg
+
+from assets.images import image_shards
+from assets.partitions import shard_partitions
+from assets.shard_runs import GPU_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, materialize_shards, shard_check
+from resources.clip import ClipResource
+from resources.dataset import DatasetResource
+from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
+from shardprep import encoders
+from shardprep.embeddings import write_clip_embeddings
+from shardprep.ledger import load_ledger
+from shardprep.reorder import reorder_embeddings
+from shardprep.storage import exists
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[image_shards],
+    group_name="embeddings",
+    kinds={"numpy", "parquet", "pytorch"},
+    pool="gpu",
+    automation_condition=SHARD_AUTOMATION,
+    check_specs=[shard_check("rows_match_samples", "clip_embeddings",
+                             "One finite embedding row per tar sample, aligned with the metadata.")],
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
+)
+def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,
+                    clip: ClipResource) -> dg.MaterializeResult:
+    """clip-retrieval's inference layout under ``<root>/embeddings/``: ``img_emb/img_emb_{shard}.npy``,
+    ``text_emb/text_emb_{shard}.npy`` (float16, L2-normalised) and ``metadata/metadata_{shard}.parquet``."""
+    cfg, layout = dataset.config, dataset.layout
+    enable_text = cfg.enable_text and cfg.caption_col is not None
+
+    def one(key: str) -> dict:
+        if exists(layout.emb_metadata(key)) and not config.rebuild:
+            return {"status": "cached", "model": clip.spec}
+        if not exists(layout.tar(key)):
+            return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
+        report = write_clip_embeddings(key, layout, clip.encoder(), batch_size=clip.effective_batch_size,
+                                       enable_text=enable_text)
+        return {"status": "written", "model": clip.spec, "samples": report.samples, "dim": report.dim,
+                "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
+                "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
+                "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
+
+    result = materialize_shards(context, one, ("rows_match_samples",
+                                               lambda key: check_clip_embeddings(layout, key, enable_text)))
+    # models loaded by this process so far: a batched backfill loads once per run, not once per shard
+    return result._replace(metadata={**result.metadata, "model_loads_in_process": encoders.LOAD_COUNT,
+                                     "pid": os.getpid()})
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[clip_embeddings],
+    group_name="embeddings",
+    kinds={"numpy"},
+    automation_condition=SHARD_AUTOMATION,
+    check_specs=[shard_check("rows_line_up_with_keys", "reordered_embeddings",
+                             "Row i is the embedding of the sample whose key ends in i; zeros elsewhere.")],
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
+)
+def reordered_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig,
+                         dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/embeddings_reordered/{img,text}/``: one npy per tar, row i = the sample whose key ends
+    in index i, zero rows for failed samples (what DALLE2-pytorch's decoder loader reads)."""
+    cfg, layout = dataset.config, dataset.layout
+    ledger = load_ledger(layout)
+
+    def one(key: str) -> dict:
+        if exists(layout.reordered_img(key)) and not config.rebuild:
+            return {"status": "cached"}
+        if not exists(layout.img_emb(key)):
+            return {"status": "no samples (shard has no embeddings)", "rows": 0}
+        rows = ledger.shard(key).rows
+        report = reorder_embeddings(key, layout, rows=rows, index_width=cfg.oom_sample)
+        return {"status": "written", "rows": rows, "samples": report.samples,
+                "zero_rows": rows - report.samples, "index_width": cfg.oom_sample,
+                "path": dg.MetadataValue.path(layout.reordered_img(key))}
+
+    return materialize_shards(context, one, ("rows_line_up_with_keys", lambda key: check_reordered_embeddings(
+        layout, key, ledger.shard(key).rows, cfg.oom_sample)))

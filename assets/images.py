@@ -1,0 +1,96 @@
+"""image_shards: downloaded, resized images as img2dataset-layout webdataset tars."""
+
+import json
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from assets.partitions import shard_partitions
+from assets.shard_runs import (DOWNLOAD_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, failures_table,
+                               materialize_shards, shard_check)
+from assets.source import source_parquet
+from resources.dataset import DatasetResource
+from shardprep.checks import check_image_shard
+from shardprep.contact_sheet import contact_sheet, inline_image
+from shardprep.image_shards import write_image_shard
+from shardprep.layout import Layout
+from shardprep.storage import atomic_write, exists, read_bytes, url_to_fs
+
+
+def _stats_metadata(stats: dict, tar_url: str, tar_bytes: int) -> dict:
+    count = stats["count"] or 1
+    seconds = float(stats.get("duration") or 0.0)
+    return {
+        "samples": stats["count"],
+        "successes": stats["successes"],
+        "failed_to_download": stats["failed_to_download"],
+        "failed_to_resize": stats["failed_to_resize"],
+        "success_rate": round(stats["successes"] / count, 4),
+        "failures_by_reason": failures_table(stats.get("status_dict", {})),
+        "bytes": tar_bytes,
+        "seconds": round(seconds, 3),
+        "images_per_second": round(stats["count"] / seconds, 1) if seconds else 0.0,
+        "tar": dg.MetadataValue.path(tar_url) if tar_bytes else dg.MetadataValue.text("(no tar: 0 successes)"),
+        "dagster/row_count": stats["successes"],
+    }
+
+
+def _contact_sheet_metadata(layout: Layout, key: str, rebuild: bool) -> dict:
+    """The shard's contact sheet (``<root>/previews/{shard}.png``, made when missing) inlined in the
+    metadata as a markdown image, so the UI shows it on the partition's page. A preview that cannot be
+    made is reported, never a failed shard."""
+    out = layout.contact_sheet(key)
+    try:
+        if exists(out) and not rebuild:
+            png = read_bytes(out)
+        else:
+            png = contact_sheet(layout.tar(key))
+            with atomic_write(out) as f:
+                f.write(png)
+        uri, _ = inline_image(png)
+    except Exception as e:  # noqa: BLE001 - a preview is optional
+        return {"contact_sheet": dg.MetadataValue.text(f"(no contact sheet: {type(e).__name__}: {e})")}
+    # markdown image syntax: the UI's markdown renders no raw HTML, and allows data: image sources
+    return {"contact_sheet": dg.MetadataValue.md(f"![contact sheet of shard {key}]({uri})"),
+            "contact_sheet_png": dg.MetadataValue.path(out)}
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[source_parquet],
+    group_name="images",
+    kinds={"webdataset"},
+    pool="download",
+    automation_condition=SHARD_AUTOMATION,
+    check_specs=[shard_check("tar_matches_parquet", "image_shards",
+                             "The tar holds exactly the samples the parquet marks as success.")],
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=DOWNLOAD_SHARDS_PER_RUN),
+)
+def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
+                 dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/images/{shard}.tar``, ``{shard}.parquet`` and ``{shard}_stats.json`` in img2dataset's
+    webdataset layout. Bad URLs and images are recorded failures; a shard with no success gets no tar."""
+    cfg, layout = dataset.config, dataset.layout
+
+    def one(key: str) -> dict:
+        tar = layout.tar(key)
+        if exists(layout.shard_stats(key)) and not config.rebuild:
+            stats = json.loads(read_bytes(layout.shard_stats(key)))
+            fs, path = url_to_fs(tar)
+            tar_bytes = fs.size(path) if fs.exists(path) else 0
+            sheet = _contact_sheet_metadata(layout, key, rebuild=False) if tar_bytes else {}
+            return {**_stats_metadata(stats, tar, tar_bytes), **sheet, "status": "cached"}
+        table = pq.read_table(layout.source_parquet(key))
+        report = write_image_shard(table, int(key), cfg, layout)
+        stats = json.loads(read_bytes(layout.shard_stats(key)))
+        context.log.info(f"shard {key}: {report.successes}/{report.count} images in {report.seconds:.1f}s")
+        if report.tar_written:
+            sheet = _contact_sheet_metadata(layout, key, rebuild=True)
+        else:  # a rebuilt shard without successes: an older preview would show images it no longer has
+            sheet = {}
+            fs, path = url_to_fs(layout.contact_sheet(key))
+            if fs.exists(path):
+                fs.rm(path)
+        return {**_stats_metadata(stats, tar, report.tar_bytes), **sheet, "status": "written"}
+
+    return materialize_shards(context, one, ("tar_matches_parquet", lambda key: check_image_shard(layout, key)))

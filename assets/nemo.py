@@ -1,0 +1,125 @@
+"""NeMo text2img outputs: equal-size tars (reorganize_tar), wdinfo.pkl, precached SD encodings.
+
+Unpartitioned and incremental: complete tars are immutable; new shards only fill the tail and add tars.
+"""
+
+import pickle
+
+import dagster as dg
+
+from assets.images import image_shards
+from resources.dataset import DatasetResource
+from resources.nemo import NemoEncoders
+from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
+from shardprep.ledger import load_ledger
+from shardprep.precache import write_precached_encodings
+from shardprep.storage import exists, read_bytes
+from shardprep.wdinfo import write_wdinfo
+
+# Global assets catch up on a schedule (or on demand from the UI); any newly finished shard is enough,
+# so a failed shard never holds them back.
+GLOBAL_AUTOMATION = dg.AutomationCondition.on_cron("*/10 * * * *")
+
+
+class BalancedConfig(dg.Config):
+    final: bool = False  # the dataset is complete: publish the last, short tar too (wdinfo excludes it)
+
+
+def _disabled(flag: str) -> dg.MaterializeResult:
+    return dg.MaterializeResult(metadata={"status": f"disabled ({flag}: false)"})
+
+
+@dg.asset(
+    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping())],
+    group_name="nemo_text2img",
+    kinds={"webdataset"},
+    automation_condition=GLOBAL_AUTOMATION,
+)
+def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
+                    dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/balanced/{n}.tar``: tars of exactly ``tar_chunk_size`` successful samples in shard order
+    (NeMo's reorganize_tar). Finished image shards are consumed once; the short last tar carries an
+    ``.INCOMPLETE`` marker until it fills."""
+    cfg, layout = dataset.config, dataset.layout
+    if not cfg.enable_nemo_text2img:
+        return _disabled("enable_nemo_text2img")
+    ledger = load_ledger(layout)
+    state = load_state(layout) or {}
+    consumed = list(state.get("consumed", []))
+    done = set(consumed)
+    # shards in ledger order whose image step finished; an unfinished one is picked up by a later update
+    ready = [s for s in (ledger.keys() if ledger else []) if s not in done and exists(layout.shard_stats(s))]
+    waiting = [s for s in (ledger.keys() if ledger else []) if s not in done and s not in ready]
+    r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final)
+    return dg.MaterializeResult(metadata={
+        "complete_tars": len(r.complete_tars), "new_complete_tars": len(r.new_complete_tars),
+        "partial_tar_samples": r.partial_count, "samples_added": r.samples_added,
+        "total_samples": r.total_samples, "shards_consumed": len(consumed) + len(ready),
+        "shards_waiting": len(waiting), "chunk_size": r.chunk_size, "changed": r.changed,
+        "path": dg.MetadataValue.path(layout.balanced_dir)})
+
+
+def _wdinfo_lists_complete_tars(tar_dir: str, wdinfo_url: str) -> dg.AssetCheckResult:
+    listed = pickle.loads(read_bytes(wdinfo_url))["tar_files"] if exists(wdinfo_url) else []
+    complete = sorted(complete_tar_counts(tar_dir))
+    missing, extra = sorted(set(complete) - set(listed)), sorted(set(listed) - set(complete))
+    return dg.AssetCheckResult(
+        check_name="lists_every_complete_tar", passed=not missing and not extra,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=f"wdinfo lists {len(listed)} tars; {len(complete)} complete tars on disk",
+        metadata={"missing_from_wdinfo": dg.MetadataValue.json(missing[:50]),
+                  "listed_but_not_complete": dg.MetadataValue.json(extra[:50])})
+
+
+@dg.asset(
+    deps=[balanced_shards],
+    group_name="nemo_text2img",
+    kinds={"pickle"},
+    automation_condition=dg.AutomationCondition.eager(),
+    check_specs=[dg.AssetCheckSpec("lists_every_complete_tar", asset="wdinfo", blocking=True,
+                                   description="wdinfo.pkl lists exactly the complete balanced tars.")],
+)
+def wdinfo(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/balanced/wdinfo.pkl``: ``{"tar_files", "chunk_size", "total_key_count"}`` over the complete
+    balanced tars (paths relative to the balanced folder, subfolders included), as NeMo reads it."""
+    cfg, layout = dataset.config, dataset.layout
+    if not cfg.enable_nemo_text2img:  # a check spec needs its result on every path
+        return _disabled("enable_nemo_text2img")._replace(check_results=[dg.AssetCheckResult(
+            check_name="lists_every_complete_tar", passed=True, description="NeMo text2img is disabled")])
+    info = write_wdinfo(layout.balanced_dir, layout.balanced_wdinfo, cfg.tar_chunk_size)
+    return dg.MaterializeResult(
+        metadata={"tar_files": len(info["tar_files"]), "total_key_count": info["total_key_count"],
+                  "chunk_size": info["chunk_size"], "path": dg.MetadataValue.path(layout.balanced_wdinfo)},
+        check_results=[_wdinfo_lists_complete_tars(layout.balanced_dir, layout.balanced_wdinfo)])
+
+
+@dg.asset(
+    deps=[balanced_shards],
+    group_name="nemo_text2img",
+    kinds={"webdataset", "pytorch"},
+    pool="gpu",
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResource,
+                        nemo: NemoEncoders) -> dg.MaterializeResult:
+    """``<root>/precached/{n}.tar`` per complete balanced tar: ``{key}.pickle`` with NeMo Stable Diffusion's
+    ``autoencoderkl_image`` (mean‖logvar, float16) and ``clip-vit-large-patch14_text`` (float32, padded to
+    a multiple of 8), plus ``precached/wdinfo.pkl``. Only tars not yet encoded are encoded."""
+    cfg, layout = dataset.config, dataset.layout
+    if not cfg.enable_nemo_text2img:
+        return _disabled("enable_nemo_text2img")
+    todo = [int(name.split(".")[0]) for name in sorted(complete_tar_counts(layout.balanced_dir))]
+    todo = [i for i in todo if not exists(layout.precached_tar(i))]
+    encoded, seconds, nonfinite = 0, 0.0, []
+    for i in todo:
+        r = write_precached_encodings(layout.balanced_tar(i), layout.precached_tar(i), nemo.sd_autoencoder(),
+                                      nemo.clip_text(), keep_original=cfg.precache_keep_original,
+                                      resolution=cfg.precache_resolution, batch_size=cfg.nemo_batch_size)
+        encoded, seconds, nonfinite = encoded + r.samples, seconds + r.seconds, nonfinite + r.nonfinite_keys
+        context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
+    info = write_wdinfo(layout.precached_dir, layout.precached_wdinfo, cfg.tar_chunk_size) if todo or exists(
+        layout.precached_wdinfo) else {"tar_files": []}
+    return dg.MaterializeResult(metadata={
+        "new_tars": len(todo), "samples_encoded": encoded, "seconds": round(seconds, 3),
+        "nonfinite_samples": dg.MetadataValue.json(nonfinite[:50]), "tar_files": len(info["tar_files"]),
+        "path": dg.MetadataValue.path(layout.precached_dir)})

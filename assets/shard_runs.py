@@ -1,0 +1,95 @@
+"""Running per-shard work for every partition of a run (one shard, or a batch from a backfill)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import dagster as dg
+
+from assets.partitions import shard_partitions
+from shardprep.checks import CheckOutcome
+
+# How many shards one backfill run takes: a model is loaded once per run, not once per shard.
+GPU_SHARDS_PER_RUN = int(os.environ.get("SHARDPREP_GPU_SHARDS_PER_RUN", "8"))
+DOWNLOAD_SHARDS_PER_RUN = int(os.environ.get("SHARDPREP_DOWNLOAD_SHARDS_PER_RUN", "4"))
+
+
+class ShardRunConfig(dg.Config):
+    """Run config of every per-shard asset."""
+
+    rebuild: bool = False  # redo shards whose outputs already exist (default: complete shards are kept)
+
+
+def _table(rows: list[dict[str, Any]]) -> dg.MetadataValue:
+    cols = list(rows[0]) if rows else ["shard"]
+    schema = dg.TableSchema(columns=[
+        dg.TableColumn(c, "float" if isinstance(rows[0].get(c), float) else
+                       "int" if isinstance(rows[0].get(c), int) else "string") for c in cols])
+    return dg.MetadataValue.table(records=[dg.TableRecord({c: r.get(c) for c in cols}) for r in rows],
+                                  schema=schema)
+
+
+def failures_table(status_dict: dict[str, int]) -> dg.MetadataValue:
+    rows = [{"reason": k, "count": int(v)} for k, v in sorted(status_dict.items(), key=lambda kv: -kv[1])
+            if k != "success"]
+    return _table(rows or [{"reason": "(none)", "count": 0}])
+
+
+# Per-shard assets follow their upstream shard, but never past a failed blocking check.
+SHARD_AUTOMATION = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+
+
+def shard_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
+    """A blocking check evaluated per shard partition (downstream work waits for it to pass)."""
+    return dg.AssetCheckSpec(name, asset=asset, blocking=True, partitions_def=shard_partitions,
+                             description=description)
+
+
+def _check_result(name: str, outcomes: dict[str, CheckOutcome]) -> dg.AssetCheckResult:
+    if len(outcomes) == 1:
+        (o,) = outcomes.values()
+        return dg.AssetCheckResult(check_name=name, passed=o.passed, description=o.description,
+                                   metadata=o.metadata, severity=dg.AssetCheckSeverity.ERROR)
+    failed = {k: o.description for k, o in outcomes.items() if not o.passed}
+    # a batched run records one evaluation for its shards: it fails if any shard fails
+    return dg.AssetCheckResult(
+        check_name=name, passed=not failed, severity=dg.AssetCheckSeverity.ERROR,
+        description=f"{len(outcomes) - len(failed)}/{len(outcomes)} shards passed",
+        metadata={"failed_shards": dg.MetadataValue.json(failed), "shards": len(outcomes)})
+
+
+def materialize_shards(context: dg.AssetExecutionContext, work: Callable[[str], dict[str, Any]],
+                       check: tuple[str, Callable[[str], CheckOutcome]] | None = None) -> dg.MaterializeResult:
+    """Run ``work(shard)`` for each partition of this run, then the asset's check, then report.
+
+    A failing shard does not stop the others (their outputs are written and will be found complete on
+    a re-run); the step fails at the end naming every failed shard.
+    """
+    keys = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
+    results: dict[str, dict[str, Any]] = {}
+    failures: dict[str, str] = {}
+    for key in keys:
+        try:
+            results[key] = work(key)
+        except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
+            context.log.error(f"shard {key}: {type(e).__name__}: {e}")
+            failures[key] = f"{type(e).__name__}: {e}"
+    if failures:
+        raise dg.Failure(
+            description=f"{len(failures)} of {len(keys)} shard(s) failed: "
+            + "; ".join(f"{k}: {v}" for k, v in list(failures.items())[:10]),
+            metadata={"failed_shards": dg.MetadataValue.json(failures)},
+        )
+    checks = [_check_result(check[0], {k: check[1](k) for k in keys})] if check else None
+    if len(keys) == 1:
+        return dg.MaterializeResult(metadata=results[keys[0]], check_results=checks)
+    summary: dict[str, Any] = {"shards": len(keys)}
+    for name in ("samples", "successes", "failed_to_download", "failed_to_resize", "rows", "bytes", "seconds"):
+        vals = [r[name] for r in results.values() if isinstance(r.get(name), (int, float))]
+        if vals:
+            summary[name] = sum(vals)
+    summary["per_shard"] = _table([
+        {"shard": k, **{n: v for n, v in r.items() if isinstance(v, (int, float, str))}} for k, r in results.items()
+    ])
+    return dg.MaterializeResult(metadata=summary, check_results=checks)

@@ -1,0 +1,52 @@
+"""source_parquet: each shard's rows, copied out of the source files and checked."""
+
+import time
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from assets.partitions import shard_partitions
+from assets.shard_runs import DOWNLOAD_SHARDS_PER_RUN, ShardRunConfig, materialize_shards
+from resources.dataset import DatasetResource
+from shardprep.ledger import load_ledger
+from shardprep.sources import SourceError, read_rows, required_columns
+from shardprep.storage import atomic_write, exists
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    group_name="images",
+    kinds={"parquet"},
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=DOWNLOAD_SHARDS_PER_RUN),
+)
+def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,
+                   dataset: DatasetResource) -> dg.MaterializeResult:
+    """The input rows of each shard (url, caption and every other source column), as
+    ``<root>/parquet/{shard}.parquet``. Rows come from the ledger's fixed assignment."""
+    cfg, layout = dataset.config, dataset.layout
+    ledger = load_ledger(layout)
+    if ledger is None:
+        raise dg.Failure(f"no shard ledger at {layout.ledger}: register the source files first")
+
+    def one(key: str) -> dict:
+        out = layout.source_parquet(key)
+        shard = ledger.shard(key)
+        meta = {"source": shard.source, "row_start": shard.row_start, "row_stop": shard.row_stop,
+                "rows": shard.rows, "path": dg.MetadataValue.path(out)}
+        if exists(out) and not config.rebuild:
+            return {**meta, "status": "cached"}
+        t0 = time.time()
+        table = read_rows(shard.source, shard.row_start, shard.row_stop)
+        if table.num_rows != shard.rows:
+            raise SourceError(f"source file {shard.source}: shard {key} should hold rows "
+                              f"[{shard.row_start}, {shard.row_stop}) but the file now has fewer rows; "
+                              "it changed after registration")
+        for field_name, col in required_columns(cfg):
+            if col not in table.column_names:
+                raise SourceError(f"source file {shard.source}: column {col!r} (config field "
+                                  f"'{field_name}') is missing")
+        with atomic_write(out) as f:
+            pq.write_table(table, f)
+        return {**meta, "status": "written", "seconds": round(time.time() - t0, 3)}
+
+    return materialize_shards(context, one)

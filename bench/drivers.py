@@ -1,0 +1,260 @@
+"""One side of one benchmark pair per invocation (run by ``bench/measure.run_side`` in a fresh process).
+
+    python bench/drivers.py <side> --json '{...settings...}'
+
+Prints a JSON line with what it did (counts), which the harness checks so that a fast but wrong
+run cannot pass. Each side imports only what its own tool needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+
+def _fresh(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# download + resize + write
+
+
+def _ours_shard(args) -> dict:
+    parquet, offset, length, shard_id, cfg_dict = args
+    import pyarrow.parquet as pq
+
+    from shardprep.config import config_from_dict
+    from shardprep.image_shards import write_image_shard
+    from shardprep.layout import Layout
+
+    cfg = config_from_dict(cfg_dict)
+    table = pq.read_table(parquet).slice(offset, length)
+    r = write_image_shard(table, shard_id, cfg, Layout(cfg.output_root))
+    return {"successes": r.successes, "failed_to_download": r.failed_to_download,
+            "failed_to_resize": r.failed_to_resize}
+
+
+def images_ours(s: dict) -> dict:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    _fresh(s["out"])
+    n = pq.read_metadata(s["parquet"]).num_rows
+    spp = s["samples_per_shard"]
+    cfg = {"source": s["parquet"], "output_root": s["out"], "url_col": "url", "caption_col": "caption",
+           "save_additional_columns": ["source_id"], "samples_per_shard": spp, "image_size": s["image_size"],
+           "resize_mode": s["resize_mode"], "encode_quality": s["encode_quality"], "thread_count": s["threads"],
+           "timeout": s["timeout"], "allow_private_addresses": True, **s.get("extra_cfg", {})}
+    jobs = [(s["parquet"], off, min(spp, n - off), k, cfg) for k, off in enumerate(range(0, n, spp))]
+    # fork: the parent has imported nothing heavy and runs no threads yet
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(s["processes"], mp_context=mp.get_context("fork")) as pool:
+        reports = list(pool.map(_ours_shard, jobs))
+    out = {k: sum(r[k] for r in reports) for k in reports[0]}
+    out["work_seconds"] = time.perf_counter() - t0
+    return out
+
+
+def images_img2dataset(s: dict) -> dict:
+    import glob
+
+    import img2dataset
+    import pyarrow.parquet as pq
+
+    _fresh(s["out"])
+    t0 = time.perf_counter()
+    img2dataset.download(
+        url_list=s["parquet"], input_format="parquet", url_col="url", caption_col="caption",
+        save_additional_columns=["source_id"], output_format="webdataset", output_folder=s["out"],
+        processes_count=s["processes"], thread_count=s["threads"], image_size=s["image_size"],
+        resize_mode=s["resize_mode"], encode_quality=s["encode_quality"],
+        number_sample_per_shard=s["samples_per_shard"], timeout=int(s["timeout"]), retries=0,
+        distributor="multiprocessing", enable_wandb=False)
+    work = time.perf_counter() - t0
+    rows = [r for p in sorted(glob.glob(os.path.join(s["out"], "*.parquet")))
+            for r in pq.read_table(p, columns=["status"]).column("status").to_pylist()]
+    return {"successes": rows.count("success"), "failed_to_download": rows.count("failed_to_download"),
+            "failed_to_resize": rows.count("failed_to_resize"), "work_seconds": work}
+
+
+# --------------------------------------------------------------------------------------------
+# CLIP embeddings of webdataset tars
+
+
+def clip_ours(s: dict) -> dict:
+    from shardprep.encoders import load_clip_encoder
+    from shardprep.embeddings import write_clip_embeddings
+    from shardprep.layout import Layout
+
+    layout = Layout(s["root"])  # tars in <root>/images, outputs in <root>/embeddings
+    shutil.rmtree(layout.embeddings_dir, ignore_errors=True)
+    encoder = load_clip_encoder(s["model"], device=s.get("device", "cpu"))
+    if s.get("exact"):
+        encoder = encoder.exact()
+    t0 = time.perf_counter()  # imports and the model load are done: the work starts here
+    samples = 0
+    for shard in s["shards"]:
+        samples += write_clip_embeddings(shard, layout, encoder, batch_size=s["batch_size"]).samples
+    return {"samples": samples, "work_seconds": time.perf_counter() - t0}
+
+
+def clip_clip_retrieval(s: dict) -> dict:
+    import numpy as np
+    from clip_retrieval.clip_inference.main import main as clip_inference
+
+    from all_clip import load_clip
+
+    _fresh(s["out"])
+    first, last = s["shards"][0], s["shards"][-1]
+    # the model load clip-retrieval's mapper and worker do, with their exact arguments, so that
+    # all_clip's cache serves them and the timed part below is the inference itself
+    load_clip(clip_model=s["model"], use_jit=False, warmup_batch_size=s["batch_size"], clip_cache_path=None)
+    t0 = time.perf_counter()
+    clip_inference(input_dataset=f"{s['root']}/images/{{{first}..{last}}}.tar", output_folder=s["out"],
+                   input_format="webdataset", clip_model=s["model"], num_prepro_workers=s["workers"],
+                   batch_size=s["batch_size"], enable_metadata=True, use_jit=False, enable_wandb=False,
+                   **s.get("extra", {}))
+    work = time.perf_counter() - t0
+    img = os.path.join(s["out"], "img_emb")
+    samples = sum(np.load(os.path.join(img, f), mmap_mode="r").shape[0] for f in os.listdir(img))
+    return {"samples": samples, "work_seconds": work}
+
+
+# --------------------------------------------------------------------------------------------
+# DALLE2 decoder dataloader (tars + reordered embeddings)
+
+
+def _dalle2_decoder_module():
+    """DALLE2-pytorch's decoder_loader.py loaded by file path (its package __init__ pulls in the
+    whole model stack), as tests/test_dataloaders.py does."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("dalle2_pytorch")
+    if spec is None:
+        raise RuntimeError("dalle2-pytorch is not installed (make setup installs it with --no-deps)")
+    path = Path(spec.submodule_search_locations[0]) / "dataloaders" / "decoder_loader.py"
+    module_spec = importlib.util.spec_from_file_location("dalle2_decoder_loader", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _loader_epoch(make_loader, s: dict) -> dict:
+    import warnings
+
+    import torchvision.transforms as T
+
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    # DALLE2's default decoder preprocessing (train_configs.DecoderDataConfig.preprocessing)
+    loader = make_loader(s["tars"], s["workers"], s["batch_size"], img_embeddings_url=s["img_emb"],
+                         text_embeddings_url=s["text_emb"], index_width=s["index_width"], shuffle_shards=False,
+                         img_preproc=T.ToTensor(), extra_keys=["txt"])
+    samples, unique = 0, set()
+    t0 = time.perf_counter()  # an epoch: worker start-up, reading, decoding, collation
+    for img, emb, txt in loader:
+        samples += img.shape[0]
+        unique.update(txt)
+        if emb["img"].shape[0] != img.shape[0] or emb["text"].shape[0] != img.shape[0] or len(txt) != img.shape[0]:
+            raise RuntimeError("batch parts disagree in length")
+    return {"samples": samples, "unique_samples": len(unique), "work_seconds": time.perf_counter() - t0}
+
+
+def loader_ours(s: dict) -> dict:
+    from shardprep.dataloaders import create_image_embedding_dataloader
+
+    return _loader_epoch(create_image_embedding_dataloader, s)
+
+
+def loader_dalle2(s: dict) -> dict:
+    return _loader_epoch(_dalle2_decoder_module().create_image_embedding_dataloader, s)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-Energon index (.nv-meta + .tar.idx)
+
+
+def _linked_dataset(src: str, dst: str, names: list[str]) -> None:
+    _fresh(dst)
+    for name in names:  # hard links: the same tar bytes and mtimes, no copy
+        os.link(os.path.join(src, name), os.path.join(dst, name))
+
+
+def index_ours(s: dict) -> dict:
+    from shardprep.energon_index import update_energon_index
+
+    _linked_dataset(s["src"], s["dir"], s["tars"])
+    t0 = time.perf_counter()
+    report = update_energon_index(s["dir"], sample_type="captioning", field_map={"image": "jpg", "caption": "txt"},
+                                  split_ratio=(1, 0, 0))
+    full = time.perf_counter() - t0
+    out = {"samples": report.total_samples, "work_seconds": full}
+    if s.get("incremental"):
+        new = s["incremental"]
+        os.link(os.path.join(s["src"], new), os.path.join(s["dir"], new))
+        t0 = time.perf_counter()
+        inc = update_energon_index(s["dir"], sample_type="captioning", field_map={"image": "jpg", "caption": "txt"},
+                                   split_ratio=(1, 0, 0))
+        out.update(incremental_seconds=time.perf_counter() - t0, incremental_scanned=inc.scanned_tars,
+                   samples_after=inc.total_samples)
+    return out
+
+
+def index_energon(s: dict) -> dict:
+    import subprocess
+
+    _linked_dataset(s["src"], s["dir"], s["tars"])
+    energon = os.path.join(os.path.dirname(sys.executable), "energon")
+    t0 = time.perf_counter()
+    subprocess.run([energon, "prepare", s["dir"], "--non-interactive", "--split-ratio", "1,0,0",
+                    "--sample-type", "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}',
+                    "--num-workers", str(s["workers"]), "--no-progress"], check=True,
+                   stdout=subprocess.DEVNULL)
+    work = time.perf_counter() - t0  # includes the energon CLI's own start-up
+    with open(os.path.join(s["dir"], ".nv-meta", ".info.json")) as f:
+        counts = json.load(f)["shard_counts"]
+    return {"samples": sum(counts.values()), "work_seconds": work}
+
+
+def clip_fidelity(s: dict) -> dict:
+    from quality import clip_fast_vs_exact
+
+    return clip_fast_vs_exact(s["model"], s["files"])
+
+
+def clip_gpu(s: dict) -> dict:
+    from gpu import run_gpu
+
+    return run_gpu(s)
+
+
+SIDES = {
+    "images-ours": images_ours, "images-img2dataset": images_img2dataset,
+    "clip-ours": clip_ours, "clip-clip-retrieval": clip_clip_retrieval,
+    "clip-fidelity": clip_fidelity, "clip-gpu": clip_gpu,
+    "loader-ours": loader_ours, "loader-dalle2": loader_dalle2,
+    "index-ours": index_ours, "index-energon": index_energon,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("side", choices=sorted(SIDES))
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    result = SIDES[a.side](json.loads(a.json))
+    result["inner_seconds"] = time.perf_counter() - t0
+    print("\n" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

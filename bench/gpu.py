@@ -1,0 +1,103 @@
+"""CLIP embedding throughput on a GPU, end to end from tars, for ViT-B/32- and ViT-L/14-sized models
+with random weights (``bench.models``): images/s and model FLOP utilisation (MFU).
+
+Run by ``bench/run.py`` when CUDA is available (``--only gpu``), as the driver side ``clip-gpu``.
+End to end = ``write_clip_embeddings`` over the tars (read, decode on every CPU core, copy uint8
+to the GPU, normalise there, bf16 autocast forward of both towers, write the npy/parquet files).
+Model only = the image tower on a resident batch (the ceiling the end-to-end figure is read
+against). MFU = images/s x FLOPs per image / the GPU's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import time
+
+# dense bf16 tensor-core peaks (no sparsity), FLOP/s
+PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _peak(name: str) -> float | None:
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def make_tars(root: str, n_samples: int, per_tar: int, n_unique: int = 256) -> list[str]:
+    """img2dataset-like tars of 256 px photo-like JPEGs under ``root/images``; returns shard names."""
+    from shardprep.keys import compute_key, oom_sample_per_shard
+    from shardprep.synthetic import render_image
+
+    os.makedirs(os.path.join(root, "images"), exist_ok=True)
+    pool = []
+    for i in range(n_unique):
+        buf = io.BytesIO()
+        render_image(i, 256, 256).save(buf, "JPEG", quality=95)
+        pool.append(buf.getvalue())
+    oom = oom_sample_per_shard(per_tar)
+    shards = []
+    for s in range(-(-n_samples // per_tar)):
+        name = f"{s:05d}"
+        shards.append(name)
+        with tarfile.open(os.path.join(root, "images", f"{name}.tar"), "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(min(per_tar, n_samples - s * per_tar)):
+                key = compute_key(i, s, oom, 5)
+                for ext, data in (("jpg", pool[(s * per_tar + i) % n_unique]), ("json", b'{"status": "success"}'),
+                                  ("txt", f"a photo of thing {i} in shard {s}".encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return shards
+
+
+def model_only(encoder, batch: int, steps: int = 20) -> float:
+    """Images/s of the image tower alone on a resident random batch (bf16 autocast as all_clip)."""
+    import torch
+
+    h, w = encoder.image_spec.crop
+    x = torch.randn(batch, 3, h, w, device=encoder.device)
+    with torch.inference_mode():
+        for _ in range(3):
+            encoder.model.encode_image(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            encoder.model.encode_image(x)
+        torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def run_gpu(s: dict) -> dict:
+    import torch
+
+    from models import VIT_B_32, VIT_L_14, build_random_clip, text_flops, vision_flops
+    from shardprep.embeddings import write_clip_embeddings
+    from shardprep.encoders import load_clip_encoder
+    from shardprep.layout import Layout
+
+    name = torch.cuda.get_device_name(0)
+    peak = _peak(name)
+    root = s["work"]
+    shards = make_tars(root, s["samples"], s["per_tar"])
+    layout = Layout(root)
+    out = {"device": name, "peak_flops": peak, "cpu_cores": os.cpu_count(), "samples": s["samples"], "models": {}}
+    for label, geometry, batch in (("ViT-B/32", VIT_B_32, 512), ("ViT-L/14", VIT_L_14, 256)):
+        model_dir = build_random_clip(os.path.join(root, label.replace("/", "-")), geometry)
+        encoder = load_clip_encoder(f"hf_clip:{model_dir}", device="cuda")
+        write_clip_embeddings(shards[0], layout, encoder, batch_size=batch)  # warm-up (kernels, pools)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = sum(write_clip_embeddings(sh, layout, encoder, batch_size=batch).samples for sh in shards)
+        seconds = time.perf_counter() - t0
+        e2e = n / seconds
+        alone = model_only(encoder, batch)
+        fv, ft = vision_flops(geometry), text_flops(geometry)
+        out["models"][label] = {
+            "batch": batch, "end_to_end_images_per_s": e2e, "model_only_images_per_s": alone,
+            "gflop_image": fv / 1e9, "gflop_text": ft / 1e9,
+            "mfu_end_to_end": (e2e * (fv + ft) / peak) if peak else None,
+            "mfu_model_only": (alone * fv / peak) if peak else None,
+        }
+        del encoder
+        torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,144 @@
+"""Output checks for the benchmark pairs: a fast run must also be a correct one.
+
+* images: per key, our resized JPEG against img2dataset's (same keys, sizes and statuses are
+  required; pixels are compared by PSNR and mean absolute difference in grey levels);
+* CLIP: cosine between our image embeddings and clip-retrieval's, per key;
+* the fast CLIP preprocess against the exact per-image one on large photo-like images (where the
+  DCT-reduced decode applies), run in a driver process (it needs torch).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+
+
+def _tar_members(path: str) -> dict[str, dict[str, bytes]]:
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tf:
+        for m in tf.getmembers():
+            if m.isreg():
+                key, ext = m.name.split(".", 1)
+                out.setdefault(key, {})[ext] = tf.extractfile(m).read()
+    return out
+
+
+def compare_image_outputs(ours_dir: str, theirs_dir: str) -> dict:
+    """Pixels and metadata of two img2dataset-layout output folders, key by key."""
+    import cv2
+
+    psnr, mad, identical, mismatches = [], [], 0, []
+    n = 0
+    for their_tar in sorted(glob.glob(os.path.join(theirs_dir, "*.tar"))):
+        ours_tar = os.path.join(ours_dir, "images", os.path.basename(their_tar))
+        theirs = _tar_members(their_tar)
+        ours = _tar_members(ours_tar) if os.path.exists(ours_tar) else {}
+        if set(ours) != set(theirs):
+            mismatches.append(f"{os.path.basename(their_tar)}: keys differ")
+            continue
+        for key, t in theirs.items():
+            o = ours[key]
+            oj, tj = json.loads(o["json"]), json.loads(t["json"])
+            for field in ("width", "height", "original_width", "original_height", "status", "sha256"):
+                if oj.get(field) != tj.get(field):
+                    mismatches.append(f"{key}: {field} {oj.get(field)} != {tj.get(field)}")
+            n += 1
+            if o["jpg"] == t["jpg"]:
+                identical += 1
+            a = cv2.imdecode(np.frombuffer(o["jpg"], np.uint8), cv2.IMREAD_UNCHANGED).astype(np.float64)
+            b = cv2.imdecode(np.frombuffer(t["jpg"], np.uint8), cv2.IMREAD_UNCHANGED).astype(np.float64)
+            if a.shape != b.shape:
+                mismatches.append(f"{key}: shape {a.shape} != {b.shape}")
+                continue
+            mse = float(((a - b) ** 2).mean())
+            psnr.append(99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
+            mad.append(float(np.abs(a - b).mean()))
+    return {"images": n, "byte_identical": identical, "mismatches": mismatches[:10], "mismatch_count": len(mismatches),
+            "psnr_min": float(min(psnr)) if psnr else None, "psnr_median": float(np.median(psnr)) if psnr else None,
+            "mad_max": float(max(mad)) if mad else None, "mad_median": float(np.median(mad)) if mad else None}
+
+
+def compare_clip_outputs(ours_root: str, theirs_dir: str) -> dict:
+    """Cosine of our image/text embeddings and clip-retrieval's, matched by sample key."""
+    import pandas as pd
+
+    def by_key(emb_files, meta_files) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        out = {}
+        for img_f, txt_f, meta_f in zip(*emb_files, meta_files):
+            keys = pd.read_parquet(meta_f, columns=["image_path"])["image_path"].tolist()
+            img, txt = np.load(img_f).astype(np.float64), np.load(txt_f).astype(np.float64)
+            for k, a, b in zip(keys, img, txt):
+                out.setdefault(k, (a, b))
+        return out
+
+    def files(root: str):
+        img = sorted(glob.glob(os.path.join(root, "img_emb", "*.npy")))
+        txt = [f.replace("img_emb", "text_emb") for f in img]
+        meta = [f.replace("img_emb", "metadata").replace(".npy", ".parquet") for f in img]
+        return (img, txt), meta
+
+    ours = by_key(*files(os.path.join(ours_root, "embeddings")))
+    theirs = by_key(*files(theirs_dir))
+    common = sorted(set(ours) & set(theirs))
+
+    def cos(a, b):
+        return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    ci = [cos(ours[k][0], theirs[k][0]) for k in common]
+    ct = [cos(ours[k][1], theirs[k][1]) for k in common]
+    return {"keys_ours": len(ours), "keys_theirs": len(theirs), "common": len(common),
+            "image_cos_min": min(ci) if ci else None, "image_cos_mean": float(np.mean(ci)) if ci else None,
+            "text_cos_min": min(ct) if ct else None}
+
+
+def clip_fast_vs_exact(model: str, image_files: list[str]) -> dict:
+    """Cosine of fast-preprocess and exact-preprocess image embeddings of the same files."""
+    from shardprep.encoders import load_clip_encoder
+
+    enc = load_clip_encoder(model, device="cpu")
+    exact = enc.exact()
+    datas = [open(f, "rb").read() for f in image_files]
+    fast = enc.encode_prepared([enc.prepare_image(d) for d in datas]).astype(np.float64)
+    ref = exact.encode_prepared([exact.prepare_image(d) for d in datas]).astype(np.float64)
+    cos = (fast * ref).sum(1) / (np.linalg.norm(fast, axis=1) * np.linalg.norm(ref, axis=1))
+    from PIL import Image
+
+    from shardprep.encoders import ImageSpec, decode_for_clip
+
+    # model-independent: the fast crop's pixels against the reference preprocess's (before
+    # normalisation), for the images that take the DCT-reduced decode
+    spec = enc.image_spec
+    reduced, psnr = [], []
+    for d, c in zip(datas, cos):
+        with Image.open(io.BytesIO(d)) as im:
+            w, h = im.size
+            if min(w, h) < 4 * spec.resize:
+                continue
+            reduced.append(c)
+            ref = _reference_crop(im.convert("RGB"), spec)
+        ours = decode_for_clip(d, ImageSpec(spec.resize, spec.crop, (0, 0, 0), (1, 1, 1), spec.round_offsets))
+        mse = float(((ours.astype(np.float64) - ref) ** 2).mean())
+        psnr.append(99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
+    return {"images": len(datas), "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+            "reduced_images": len(reduced), "reduced_cos_min": float(min(reduced)) if reduced else None,
+            "reduced_psnr_min": float(min(psnr)) if psnr else None,
+            "reduced_psnr_median": float(np.median(psnr)) if psnr else None}
+
+
+def _reference_crop(im, spec) -> np.ndarray:
+    """PIL bicubic shortest-edge resize + center crop, as torchvision / Hugging Face do it."""
+    from PIL import Image
+
+    w, h = spec.resized_size(*im.size)
+    arr = np.asarray(im.resize((w, h), Image.BICUBIC), dtype=np.float64)
+    ch, cw = spec.crop
+    if spec.round_offsets:
+        top, left = int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0))
+    else:
+        top, left = (h - ch) // 2, (w - cw) // 2
+    return arr[top:top + ch, left:left + cw]

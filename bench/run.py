@@ -1,0 +1,500 @@
+"""shardprep's throughput benchmarks against the peer tools, side by side (``make bench``).
+
+    python bench/run.py [--quick] [--only images,clip,loader,index,gpu] [--reps N] [--out bench/RESULTS.md]
+
+Pairs (same data, same settings, each side a fresh process, runs alternated A/B then B/A,
+medians over the repetitions, peak memory of the whole process tree):
+
+* ``images``: ``write_image_shard`` (in a pool of P processes) vs ``img2dataset.download`` (P
+  processes), the same URL parquet served by a local HTTP server on 127.0.0.1: photo-like JPEGs
+  of 200-2,500 px, PNGs with alpha, broken URLs.
+* ``clip``: ``write_clip_embeddings`` vs ``clip-retrieval inference`` on the same tars with the
+  same random CLIP (``bench/models.py``), on CPU.
+* ``loader``: shardprep's decoder dataloader vs DALLE2-pytorch's (``decoder_loader.py`` loaded by
+  file path), one epoch over the same tars and reordered embeddings.
+* ``index``: ``update_energon_index`` vs ``energon prepare`` on 100 tars, plus an incremental
+  update (1 new tar over the 100 indexed).
+* ``gpu`` (only where CUDA is available): CLIP ViT-B/32- and ViT-L/14-sized random models,
+  images/s end to end from tars and MFU (``bench/gpu.py``).
+
+Writes ``bench/RESULTS.md`` (machine, versions, table). Work data lives in ``bench/work/``
+(git-ignored; generated images are cached there). Exit status 1 if a side failed or two sides
+disagree about what they produced; a ratio below its floor is reported, not fatal (timings on a
+shared machine move with the neighbours' load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+
+from measure import RunFailed, median, run_side  # noqa: E402
+from source import Server, make_index_tars, make_site, make_url_parquet  # noqa: E402
+
+WORK = os.path.join(HERE, "work")
+PAIRS = ("images", "clip", "loader", "index", "gpu")
+
+MODES = {
+    "full": dict(site_images=240, image_rows=600, image_shard=100, image_reps=3,
+                 clip_copies=4, clip_reps=2, loader_copies=4, loader_reps=2,
+                 index_tars=100, index_samples=300, index_reps=2, gpu_samples=20_000),
+    "quick": dict(site_images=120, image_rows=240, image_shard=60, image_reps=1,
+                  clip_copies=1, clip_reps=1, loader_copies=1, loader_reps=1,
+                  index_tars=100, index_samples=60, index_reps=1, gpu_samples=4_000),
+}
+FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0}
+PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
+PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
+            "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
+
+
+# ------------------------------------------------------------------------------------ machine
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) // 1024 // 1024
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for p in PACKAGES:
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            versions[p] = "not installed"
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": mem, "python": platform.python_version(),
+            "platform": platform.platform(), "versions": versions}
+
+
+def cuda_available() -> bool:
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# ------------------------------------------------------------------------------------ pairs
+
+
+class Mismatch(RuntimeError):
+    """The two sides did not produce the same thing."""
+
+
+def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str) -> dict:
+    """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each."""
+    runs: dict[str, list] = {"ours": [], "theirs": []}
+    for rep in range(reps):
+        order = [("ours", ours), ("theirs", theirs)]
+        if rep % 2:
+            order.reverse()
+        for label, (side, settings) in order:
+            r = run_side([side, "--json", json.dumps(settings)], log_path=log)
+            runs[label].append(r)
+            print(f"  {side:22s} wall {r.seconds:7.2f}s  work {r.result.get('work_seconds', float('nan')):7.2f}s"
+                  f"  cpu {r.cpu_seconds:7.2f}s  peak {r.peak_rss / 2**20:7.0f} MiB  {_short(r.result)}", flush=True)
+    return runs
+
+
+def _short(result: dict) -> str:
+    return json.dumps({k: v for k, v in result.items() if k not in ("work_seconds", "inner_seconds")
+                       and not isinstance(v, (list, dict))})
+
+
+def summarise(runs: list, count_key: str) -> dict:
+    return {"wall": median([r.seconds for r in runs]), "work": median([r.result["work_seconds"] for r in runs]),
+            "cpu": median([r.cpu_seconds for r in runs]), "peak_mib": median([r.peak_rss for r in runs]) / 2**20,
+            "count": runs[-1].result[count_key], "walls": [r.seconds for r in runs]}
+
+
+def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
+    parquet = os.path.join(WORK, "urls.parquet")
+    rows = make_url_parquet(parquet, server.url, site, m["image_rows"])
+    common = dict(parquet=parquet, samples_per_shard=m["image_shard"], image_size=256, resize_mode="border",
+                  encode_quality=95, threads=32, timeout=10, processes=PROCESSES)
+    runs = run_pair(("images-ours", {**common, "out": os.path.join(WORK, "images-ours")}),
+                    ("images-img2dataset", {**common, "out": os.path.join(WORK, "images-img2dataset")}),
+                    m["image_reps"], log)
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    statuses = ("successes", "failed_to_download", "failed_to_resize")
+    if any(o[k] != t[k] for k in statuses):
+        raise Mismatch(f"images: status counts differ: ours {o} vs img2dataset {t}")
+    from quality import compare_image_outputs
+
+    quality = compare_image_outputs(os.path.join(WORK, "images-ours"), os.path.join(WORK, "images-img2dataset"))
+    if quality["mismatch_count"]:
+        raise Mismatch(f"images: outputs disagree: {quality['mismatches']}")
+    return {"runs": runs, "rows": rows, "quality": quality,
+            "ours": summarise(runs["ours"], "successes"), "theirs": summarise(runs["theirs"], "successes"),
+            "settings": common}
+
+
+def clip_tars(copies: int) -> tuple[str, list[str]]:
+    """The image pair's img2dataset tars, ``copies`` times under consecutive names (``clip/images``)."""
+    src = sorted(glob.glob(os.path.join(WORK, "images-img2dataset", "*.tar")))
+    if not src:
+        raise RuntimeError("no image tars to embed: run the images pair first (--only images,clip)")
+    root = os.path.join(WORK, "clip")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.join(root, "images"))
+    names = []
+    for c in range(copies):
+        for path in src:
+            name = f"{len(names):05d}"
+            os.link(path, os.path.join(root, "images", f"{name}.tar"))
+            names.append(name)
+    return root, names
+
+
+def pair_clip(m: dict, log: str) -> dict:
+    from models import SMALL_224, build_random_clip
+
+    model_dir = build_random_clip(os.path.join(WORK, "clip-small-224"), SMALL_224)
+    model = f"hf_clip:{model_dir}"
+    root, shards = clip_tars(m["clip_copies"])
+    common = dict(root=root, model=model, shards=shards, batch_size=256, workers=PROCESSES, device="cpu")
+    cr_out = os.path.join(WORK, "clip-retrieval-out")
+    runs = run_pair(("clip-ours", common), ("clip-clip-retrieval", {**common, "out": cr_out}), m["clip_reps"], log)
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    if o["samples"] != t["samples"]:
+        raise Mismatch(f"clip: ours embedded {o['samples']} samples, clip-retrieval {t['samples']}")
+    from quality import compare_clip_outputs
+
+    agreement = compare_clip_outputs(root, cr_out)
+    big = sorted(glob.glob(os.path.join(WORK, "site", "images", "*")))
+    fidelity = run_side(["clip-fidelity", "--json", json.dumps({"model": model, "files": big})], log_path=log).result
+    return {"runs": runs, "agreement": agreement, "fidelity": fidelity, "model": SMALL_224,
+            "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
+            "settings": {k: v for k, v in common.items() if k != "shards"} | {"tars": len(shards)}}
+
+
+def pair_loader(m: dict, log: str) -> dict:
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from shardprep.layout import Layout
+    from shardprep.storage import atomic_write
+
+    root, shards = clip_tars(1)
+    layout = Layout(root)
+    rng = np.random.default_rng(0)
+    index_width = 0
+    for shard in shards:  # reordered embeddings: row = key index, zero rows where a sample failed
+        table = pq.read_table(os.path.join(WORK, "images-img2dataset", f"{shard}.parquet"),
+                              columns=["key", "status"]).to_pylist()
+        index_width = len(table[0]["key"]) - 5
+        ok = [int(r["key"][5:]) for r in table if r["status"] == "success"]
+        for url in (layout.reordered_img(shard), layout.reordered_text(shard)):
+            e = np.zeros((len(table), 512), np.float16)
+            x = rng.standard_normal((len(ok), 512)).astype(np.float32)
+            e[ok] = x / np.linalg.norm(x, axis=1, keepdims=True)
+            with atomic_write(url) as f:
+                np.save(f, e)
+    tars = [layout.tar(s) for s in shards] * m["loader_copies"]
+    common = dict(tars=tars, img_emb=layout.reordered_img_dir, text_emb=layout.reordered_text_dir,
+                  index_width=index_width, workers=PROCESSES, batch_size=64)
+    runs = run_pair(("loader-ours", common), ("loader-dalle2", common), m["loader_reps"], log)
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    if o["unique_samples"] != t["unique_samples"] or t["samples"] not in (o["samples"], PROCESSES * o["samples"]):
+        raise Mismatch(f"loader: ours {o}, DALLE2 {t}")
+    return {"runs": runs, "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
+            "epoch": o["samples"], "settings": {k: v for k, v in common.items() if k != "tars"}
+            | {"tars_per_epoch": len(tars), "img_preproc": "torchvision ToTensor (DALLE2's default)",
+               "extra_keys": ["txt"]}}
+
+
+def pair_index(m: dict, log: str) -> dict:
+    n, k = m["index_tars"], m["index_samples"]
+    src = os.path.join(WORK, f"index-src-{n + 1}x{k}")
+    names = make_index_tars(src, n + 1, k)
+    common = dict(src=src, tars=names[:n], workers=PROCESSES)
+    runs = run_pair(("index-ours", {**common, "dir": os.path.join(WORK, "index-ours"), "incremental": names[n]}),
+                    ("index-energon", {**common, "dir": os.path.join(WORK, "index-energon")}), m["index_reps"], log)
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    if o["samples"] != t["samples"] or o["samples_after"] != (n + 1) * k or o["incremental_scanned"] != [names[n]]:
+        raise Mismatch(f"index: ours {o} vs energon {t}")
+    inc = [r.result["incremental_seconds"] / r.result["work_seconds"] for r in runs["ours"]]
+    return {"runs": runs, "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
+            "incremental_fraction": median(inc),
+            "incremental_seconds": median([r.result["incremental_seconds"] for r in runs["ours"]]),
+            "settings": {"tars": n, "samples_per_tar": k, "members_per_sample": 3, "energon_workers": PROCESSES}}
+
+
+def pair_gpu(m: dict, log: str) -> dict:
+    settings = {"work": os.path.join(WORK, "gpu"), "samples": m["gpu_samples"], "per_tar": 2_000}
+    return run_side(["clip-gpu", "--json", json.dumps(settings)], log_path=log, timeout=1800).result
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds else float("nan")
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "n/a" if x is None or x != x else f"{x:,.{digits}f}"
+
+
+def rows_for(name: str, r: dict) -> list[list[str]]:
+    o, t = r["ours"], r["theirs"]
+    if name == "images":
+        rows_n = r["rows"]["rows"]
+        ours_rate, their_rate = _rate(rows_n, o["wall"]), _rate(rows_n, t["wall"])
+        ratio = ours_rate / their_rate
+        mem_ok = o["peak_mib"] <= t["peak_mib"]
+        return [["download + resize + write (vs img2dataset)", "input rows/s, whole run",
+                 _fmt(ours_rate), _fmt(their_rate), f"{ratio:.2f}x", f">= {FLOORS['images']}x",
+                 "PASS" if ratio >= FLOORS["images"] else "FAIL"],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "<= 1.0x", "PASS" if mem_ok else "FAIL"],
+                ["", "input rows per CPU-second", _fmt(_rate(rows_n, o["cpu"])), _fmt(_rate(rows_n, t["cpu"])),
+                 f"{t['cpu'] / o['cpu']:.2f}x", "", ""]]
+    if name == "clip":
+        n = o["count"]
+        ratio = _rate(n, o["work"]) / _rate(n, t["work"])
+        return [["CLIP embeddings, CPU (vs clip-retrieval inference)", "samples/s after imports + model load",
+                 _fmt(_rate(n, o["work"])), _fmt(_rate(n, t["work"])), f"{ratio:.2f}x", f">= {FLOORS['clip']}x",
+                 "PASS" if ratio >= FLOORS["clip"] else "FAIL"],
+                ["", "samples/s, whole process (incl. start-up)", _fmt(_rate(n, o["wall"])), _fmt(_rate(n, t["wall"])),
+                 f"{t['wall'] / o['wall']:.2f}x", "", ""],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+    if name == "loader":
+        ratio = _rate(r["epoch"], o["work"]) / _rate(r["epoch"], t["work"])
+        dratio = _rate(o["count"], o["work"]) / _rate(t["count"], t["work"])
+        return [["decoder dataloader (vs DALLE2-pytorch)", "dataset samples/s (one epoch over the listed tars)",
+                 _fmt(_rate(r["epoch"], o["work"])), _fmt(_rate(r["epoch"], t["work"])), f"{ratio:.2f}x",
+                 f">= {FLOORS['loader']}x", "PASS" if ratio >= FLOORS["loader"] else "FAIL"],
+                ["", "samples delivered/s, one epoch (DALLE2's duplicates counted)",
+                 _fmt(_rate(o["count"], o["work"])), _fmt(_rate(t["count"], t["work"])), f"{dratio:.2f}x", "", ""],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+    if name == "index":
+        n = o["count"]
+        ratio = t["wall"] / o["wall"]
+        inc = r["incremental_fraction"]
+        return [["energon index (vs energon prepare)", "samples indexed/s, whole process",
+                 _fmt(_rate(n, o["wall"]), 0), _fmt(_rate(n, t["wall"]), 0), f"{ratio:.2f}x",
+                 f">= {FLOORS['index']}x", "PASS" if ratio >= FLOORS["index"] else "FAIL"],
+                ["", "1 new tar over 100: update time / full index time", f"{inc * 100:.1f}%", "(no incremental mode)",
+                 "", "< 5%", "PASS" if inc < 0.05 else "FAIL"],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+    return []
+
+
+def write_results(path: str, mode: str, machine: dict, results: dict, errors: dict, seconds: float,
+                  load: tuple[tuple, tuple]) -> None:
+    L = [f"# shardprep benchmark results ({mode})", "",
+         f"Written by `bench/run.py{' --quick' if mode == 'quick' else ''}` (`make bench`) on "
+         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, in {seconds / 60:.1f} min. "
+         "Each side runs in a fresh process; the two sides of a pair alternate (A B, B A, ...); figures are "
+         "medians over the repetitions.", "",
+         "## Machine", "",
+         f"- CPU: {machine['cpu']}, {machine['cores']} cores; memory {machine['memory_gib']} GiB; "
+         f"Python {machine['python']}; {machine['platform']}",
+         f"- load average (1/5/15 min) at start {load[0]}, at end {load[1]}: other work shared these cores, so "
+         "wall times carry noise; CPU seconds (user + system of the whole process tree) are given beside them",
+         "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()), ""]
+    L += ["## Results", "", "| pair | metric | shardprep | peer | ratio | floor | |", "|---|---|---|---|---|---|---|"]
+    for name in ("images", "clip", "loader", "index"):
+        if name in results:
+            L += ["| " + " | ".join(row) + " |" for row in rows_for(name, results[name])]
+        elif name in errors:
+            L.append(f"| {name} | error: {errors[name].splitlines()[-1][:150]} | | | | | FAIL |")
+    L.append("")
+    L += _details(results, errors)
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def _works(runs: list) -> list[float]:
+    return [r.result["work_seconds"] for r in runs]
+
+
+def _details(results: dict, errors: dict) -> list[str]:
+    L = ["## Pairs in detail", ""]
+    if "images" in results:
+        r = results["images"]
+        q, s, o, t = r["quality"], r["settings"], r["ours"], r["theirs"]
+        L += ["### download + resize + write", "",
+              f"- source: {r['rows']['rows']} URL rows ({r['rows']['broken']} broken: 404, not an image, truncated) "
+              "cycling over the benchmark site's images (`bench/source.py`: photo-like JPEGs, long side "
+              "log-uniform 200-2,500 px, quality 75-95, a third with EXIF, a few greyscale; every 7th a PNG "
+              "with alpha), served by `shardprep.synthetic.serve_directory` in its own process on 127.0.0.1",
+              f"- settings, both sides: image_size {s['image_size']}, resize_mode {s['resize_mode']}, JPEG quality "
+              f"{s['encode_quality']}, {s['processes']} processes, {s['threads']} download threads each, "
+              f"{s['samples_per_shard']} samples per shard; shardprep with its defaults (`fast_decode: true`, "
+              "`decode_threads: 0` = one per core)",
+              f"- wall seconds per run: shardprep {', '.join(f'{x:.1f}' for x in o['walls'])}; "
+              f"img2dataset {', '.join(f'{x:.1f}' for x in t['walls'])}; CPU seconds (median) "
+              f"{o['cpu']:.1f} vs {t['cpu']:.1f}",
+              f"- same output: identical status counts, keys, tar members, json sizes/statuses/sha256 per key. "
+              f"Pixels (our `fast_decode` JPEGs against img2dataset's, per image): PSNR min {_fmt(q['psnr_min'])} dB, "
+              f"median {_fmt(q['psnr_median'])} dB; mean absolute difference max {_fmt(q['mad_max'], 2)}, median "
+              f"{_fmt(q['mad_median'], 2)} grey levels; {q['byte_identical']} of {q['images']} byte-identical "
+              "(images that need no DCT reduction decode exactly as img2dataset's; with `fast_decode: false` "
+              "every image is byte-identical, checked by tests/test_image_shards.py and tests/test_fast_paths.py)",
+              ""]
+    if "clip" in results:
+        r = results["clip"]
+        a, fdl, s, o, t, g = r["agreement"], r["fidelity"], r["settings"], r["ours"], r["theirs"], r["model"]
+        L += ["### CLIP embeddings (CPU)", "",
+              f"- data: {s['tars']} tars of the image pair's img2dataset output (256 px JPEGs), {o['count']} samples",
+              f"- model: random-weight CLIP built like `shardprep.tiny_models` (`bench/models.py` SMALL_224: "
+              f"{g['image_size']} px input, {g['patch_size']} px patches, width {g['width']}, {g['layers']} layers; "
+              f"text width {g['text_width']}, {g['text_layers']} layers, 77 tokens), spec `hf_clip:<dir>` for both",
+              f"- settings: batch {s['batch_size']}, clip-retrieval `num_prepro_workers={s['workers']}`, "
+              "`enable_metadata=True`, its default output partitioning; shardprep one `write_clip_embeddings` call "
+              "per tar, default fast preprocessing",
+              f"- timed part: after imports and the model load (clip-retrieval: all_clip's cached `load_clip` with "
+              f"the arguments its mapper uses; what remains of its run, such as its spawned logger processes, counts); "
+              f"seconds per run: shardprep {', '.join(f'{x:.1f}' for x in _works(r['runs']['ours']))}, clip-retrieval "
+              f"{', '.join(f'{x:.1f}' for x in _works(r['runs']['theirs']))}; whole process (median) {o['wall']:.1f} s "
+              f"vs {t['wall']:.1f} s, CPU {o['cpu']:.1f} s vs {t['cpu']:.1f} s",
+              f"- agreement with clip-retrieval, per key ({a['common']} keys): image cosine min "
+              f"{_fmt(a['image_cos_min'], 5)}, mean {_fmt(a['image_cos_mean'], 5)}; text cosine min "
+              f"{_fmt(a['text_cos_min'], 5)} (these 256 px images need no DCT reduction, so our preprocessing "
+              "gives the reference pixels)",
+              f"- fast vs exact preprocessing on the benchmark site's full-size images ({fdl['images']} images, "
+              f"{fdl['reduced_images']} large enough for the DCT-reduced decode): cosine min {_fmt(fdl['cos_min'], 5)}, "
+              f"mean {_fmt(fdl['cos_mean'], 5)}; on the reduced ones min {_fmt(fdl['reduced_cos_min'], 5)}. The "
+              "model has random weights and may be less sensitive than a trained one, so the model-independent "
+              f"figure: the reduced images' crops against the reference preprocess's pixels, PSNR min "
+              f"{_fmt(fdl['reduced_psnr_min'])} dB, median {_fmt(fdl['reduced_psnr_median'])} dB", ""]
+    if "loader" in results:
+        r = results["loader"]
+        s, o, t = r["settings"], r["ours"], r["theirs"]
+        L += ["### decoder dataloader", "",
+              f"- data: {s['tars_per_epoch']} tars per epoch (the image pair's output), reordered float16 embeddings "
+              f"(512-d, zero rows for failed samples), index_width {s['index_width']}",
+              f"- settings: `create_image_embedding_dataloader(..., num_workers={s['workers']}, "
+              f"batch_size={s['batch_size']}, img_preproc=ToTensor, extra_keys=['txt'], shuffle_shards=False)`",
+              f"- DALLE2's loader has every worker read every shard, so with {s['workers']} workers an epoch over "
+              f"the listed tars ({r['epoch']} samples, what ours yields) yields {t['count']} samples from it, each "
+              f"{t['count'] // r['epoch']} times. 'Dataset samples/s' is the epoch's size over its time (what training "
+              "gets); 'delivered' counts DALLE2's duplicates as useful work, its most favourable reading",
+              f"- epoch seconds per run: shardprep {', '.join(f'{x:.2f}' for x in _works(r['runs']['ours']))}, DALLE2 "
+              f"{', '.join(f'{x:.2f}' for x in _works(r['runs']['theirs']))}; whole process (median) {o['wall']:.1f} vs "
+              f"{t['wall']:.1f} s",
+              "- per sample delivered both do the same user-visible work (PIL decode, the ToTensor preprocess, "
+              "collation into shared memory); ours saves the tarfile member objects (a direct header parser), "
+              "decoding members that are not returned (.json), and, in the workers, the page faults of glibc "
+              "returning each sample's buffers to the kernel (`keep_freed_memory`). That makes each delivered "
+              "sample cheaper, but by less than 1.5x: the 1.5x floor is met on dataset throughput, not on "
+              "DALLE2's duplicated deliveries", ""]
+    if "index" in results:
+        r = results["index"]
+        s, o, t = r["settings"], r["ours"], r["theirs"]
+        L += ["### energon index", "",
+              f"- data: {s['tars']} tars x {s['samples_per_tar']} samples x {s['members_per_sample']} members; "
+              f"`energon prepare --non-interactive --split-ratio 1,0,0 --sample-type CaptioningSample --field-map "
+              f"... --num-workers {s['energon_workers']}` vs `update_energon_index(..., sample_type='captioning', "
+              "split_ratio=(1,0,0))`, each in a fresh directory of hard links to the same tars",
+              f"- whole process: shardprep {o['wall']:.2f} s, energon {t['wall']:.2f} s; shardprep's index call alone "
+              f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s", ""]
+    L += ["### GPU", ""]
+    if "gpu" in results:
+        g = results["gpu"]
+        L += [f"- device: {g['device']} ({g['cpu_cores']} CPU cores), {g['samples']} samples of 256 px JPEGs in tars; "
+              "random-weight models, bf16 autocast (all_clip's), both towers",
+              "", "| model | batch | end to end images/s | MFU end to end | model-only images/s | MFU model only |",
+              "|---|---|---|---|---|---|"]
+        for label, v in g["models"].items():
+            L.append(f"| {label} | {v['batch']} | {_fmt(v['end_to_end_images_per_s'], 0)} | "
+                     f"{_fmt((v['mfu_end_to_end'] or float('nan')) * 100)}% | {_fmt(v['model_only_images_per_s'], 0)} | "
+                     f"{_fmt((v['mfu_model_only'] or float('nan')) * 100)}% |")
+        L.append("")
+    elif "gpu" in errors:
+        L += [f"- GPU run failed: {errors['gpu'].splitlines()[-1]}", ""]
+    else:
+        L += ["- No GPU was lent to the task that produced these figures (the device tool reported no machine "
+              "for it), so the ViT-B/32 and ViT-L/14 figures (images/s, MFU; target: ViT-L/14 >= 1,500 images/s "
+              "on one H100) were not measured. On a CUDA machine `python bench/run.py --only gpu` runs "
+              "`bench/gpu.py` and fills this section.",
+              "- The GPU path of `write_clip_embeddings` (uint8 batches in page-locked buffers, one asynchronous "
+              "copy, normalisation on the GPU, all_clip's bf16 autocast, every CPU core decoding) is implemented "
+              "and its arithmetic is tested on the CPU (tests/test_fast_paths.py), but it has not run on a GPU.", ""]
+    if errors:
+        L += ["## Errors", ""] + [f"- {k}: `{v.splitlines()[-1]}`" for k, v in errors.items()] + [""]
+    return L
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small data, one repetition (for iterating)")
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(PAIRS)}")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per pair (default: per mode)")
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    args = ap.parse_args()
+    mode = "quick" if args.quick else "full"
+    m = dict(MODES[mode])
+    if args.reps:
+        for k in list(m):
+            if k.endswith("_reps"):
+                m[k] = args.reps
+    wanted = PAIRS if args.only is None else tuple(p.strip() for p in args.only.split(","))
+    unknown = set(wanted) - set(PAIRS)
+    if unknown:
+        ap.error(f"unknown pair(s) {sorted(unknown)}; choose from {PAIRS}")
+    if "gpu" in wanted and args.only is None and not cuda_available():
+        wanted = tuple(p for p in wanted if p != "gpu")
+    for var, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
+                       "NO_ALBUMENTATIONS_UPDATE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(var, value)
+
+    start = time.time()
+    load_start = os.getloadavg()
+    os.makedirs(WORK, exist_ok=True)
+    log = os.path.join(WORK, "bench.log")
+    open(log, "w").close()
+    machine = machine_info()
+    print(f"bench ({mode}): {machine['cpu']}, {machine['cores']} cores; pairs {', '.join(wanted)}; log {log}", flush=True)
+    results: dict = {}
+    errors: dict = {}
+    site = make_site(os.path.join(WORK, "site"), m["site_images"])
+    server = Server(os.path.join(WORK, "site"))
+    try:
+        steps = [("images", lambda: pair_images(m, site, server, log)), ("clip", lambda: pair_clip(m, log)),
+                 ("loader", lambda: pair_loader(m, log)), ("index", lambda: pair_index(m, log)),
+                 ("gpu", lambda: pair_gpu(m, log))]
+        for name, fn in steps:
+            if name not in wanted:
+                continue
+            print(f"{name}:", flush=True)
+            try:
+                results[name] = fn()
+            except (RunFailed, Mismatch, RuntimeError, OSError, ValueError, KeyError) as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+    finally:
+        server.close()
+    write_results(args.out, mode, machine, results, errors, time.time() - start, (load_start, os.getloadavg()))
+    print(open(args.out).read())
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

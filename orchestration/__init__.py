@@ -1,0 +1,1 @@
+"""Driving the code location from the terminal (`shardprep run`): partitions, runs, summaries."""

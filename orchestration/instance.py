@@ -1,0 +1,58 @@
+"""Locating the checkout and the Dagster instance the CLI, the demo and the UI share."""
+
+import os
+import shutil
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+# Pool limits set on an instance that has none yet (change them in the UI: Deployment > Concurrency).
+# One GPU step at a time per GPU; downloads are network-bound, each step already runs many threads.
+POOL_LIMITS = {"gpu": int(os.environ.get("SHARDPREP_GPU_SLOTS", "1")),
+               "download": int(os.environ.get("SHARDPREP_DOWNLOAD_SLOTS", "2"))}
+
+
+# The server dagster.postgres.yaml points at, unless the environment names another (the yaml can only
+# read environment variables, which it requires to be set).
+POSTGRES_ENV_DEFAULTS = {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": "5432", "DAGSTER_PG_USER": "postgres",
+                         "DAGSTER_PG_PASSWORD": "", "DAGSTER_PG_DB": "test"}
+
+
+def dagster_home() -> Path:
+    """$DAGSTER_HOME, defaulting to ``<checkout>/.dagster_home`` (created with the repo's dagster.yaml)."""
+    for var, value in POSTGRES_ENV_DEFAULTS.items():
+        os.environ.setdefault(var, value)
+    home = Path(os.environ.get("DAGSTER_HOME") or CHECKOUT / ".dagster_home").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "dagster.yaml").exists():
+        shutil.copy(CHECKOUT / "dagster.yaml", home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def apply_pool_limits(instance) -> None:
+    storage = instance.event_log_storage
+    for pool, slots in POOL_LIMITS.items():
+        if pool in storage.get_concurrency_keys():
+            continue
+        try:
+            storage.set_concurrency_slots(pool, slots)
+        except Exception:
+            # Processes starting together race to create the row (Postgres: unique violation);
+            # the loser keeps the winner's limit, which is the same default or a user's setting.
+            if pool not in storage.get_concurrency_keys():
+                raise
+
+
+def get_instance():
+    import dagster as dg
+
+    dagster_home()
+    instance = dg.DagsterInstance.get()
+    apply_pool_limits(instance)
+    return instance
+
+
+if __name__ == "__main__":  # `make ui`: prepare the instance before the webserver and daemon start
+    get_instance()
+    print(os.environ["DAGSTER_HOME"])

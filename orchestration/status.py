@@ -1,0 +1,118 @@
+"""`shardprep status`: per asset, how many shards are materialized, failed or missing (unpartitioned
+assets: materialized or not, and when), read from the Dagster instance at $DAGSTER_HOME."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import dagster as dg
+
+
+@dataclass(frozen=True)
+class AssetStatus:
+    asset: str
+    partitioned: bool
+    total: int = 0  # partitions (shards) registered
+    materialized: int = 0
+    failed: int = 0  # last attempt failed (materialized earlier or not)
+    in_progress: int = 0
+    last_materialized: float | None = None  # timestamp of the latest materialization (any partition)
+    last_failed: float | None = None  # unpartitioned: a failure after the latest materialization
+
+    @property
+    def missing(self) -> int:
+        return self.total - self.materialized - self.failed - self.in_progress
+
+    @property
+    def state(self) -> str:
+        """Unpartitioned assets: materialized / failed / missing."""
+        if self.last_failed is not None:
+            return "failed"
+        return "materialized" if self.last_materialized is not None else "missing"
+
+
+def _entry(instance: dg.DagsterInstance, key: dg.AssetKey):
+    records = instance.get_asset_records([key])
+    return records[0].asset_entry if records else None
+
+
+def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[AssetStatus]:
+    """One status per materializable asset of ``defs``, in dependency order."""
+    graph = defs.resolve_asset_graph()
+    out = []
+    for key in graph.toposorted_asset_keys:
+        node = graph.get(key)
+        if not node.is_materializable:
+            continue
+        entry = _entry(instance, key)
+        last_mat = entry.last_materialization.timestamp if entry and entry.last_materialization else None
+        pdef = node.partitions_def
+        if pdef is None:
+            failed_after = None
+            if entry and entry.last_failed_to_materialize_record is not None and (
+                    entry.last_materialization_storage_id is None
+                    or entry.last_failed_to_materialize_storage_id > entry.last_materialization_storage_id):
+                failed_after = entry.last_failed_to_materialize_entry.timestamp
+            out.append(AssetStatus(key.to_user_string(), False, last_materialized=last_mat,
+                                   last_failed=failed_after))
+            continue
+        keys = list(pdef.get_partition_keys(dynamic_partitions_store=instance))
+        by_status = instance.get_status_by_partition(key, keys, pdef) or {}
+        counts = {s: sum(1 for v in by_status.values() if v == s) for s in dg.AssetPartitionStatus}
+        out.append(AssetStatus(key.to_user_string(), True, total=len(keys),
+                               materialized=counts[dg.AssetPartitionStatus.MATERIALIZED],
+                               failed=counts[dg.AssetPartitionStatus.FAILED],
+                               in_progress=counts[dg.AssetPartitionStatus.IN_PROGRESS], last_materialized=last_mat))
+    return out
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_status(statuses: list[AssetStatus]) -> str:
+    """A plain-text table: one line per asset."""
+    header = ["asset", "materialized", "failed", "in progress", "missing", "of shards", "last materialized"]
+    rows = []
+    for s in statuses:
+        if s.partitioned:
+            rows.append([s.asset, str(s.materialized), str(s.failed), str(s.in_progress), str(s.missing),
+                         str(s.total), _when(s.last_materialized)])
+        else:
+            rows.append([s.asset, {"materialized": "yes", "missing": "no", "failed": "FAILED"}[s.state],
+                         "", "", "", "(unpartitioned)", _when(s.last_materialized)])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 or i == len(cells) - 1 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def load_defs(config_path: str | None) -> dg.Definitions:
+    """The code location's definitions (for ``config_path`` when given: only the asset graph matters
+    here, so any config of the dataset does)."""
+    import os
+    import warnings
+
+    with warnings.catch_warnings():  # beta/preview notices of the asset definitions: noise in a terminal
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        if config_path:
+            from definitions import build_defs
+
+            return build_defs(os.path.abspath(config_path))
+        from definitions import defs
+
+        return defs
+
+
+def status(config_path: str | None = None, instance: dg.DagsterInstance | None = None) -> str:
+    from orchestration.instance import get_instance
+
+    instance = instance or get_instance()
+    return format_status(asset_statuses(instance, load_defs(config_path)))

@@ -1,0 +1,27 @@
+"""CLIP encoder resource: loads the configured model once per process (clip-retrieval's loader)."""
+
+import dagster as dg
+
+from resources.dataset import DatasetResource
+from shardprep.encoders import ClipEncoder, load_clip_encoder
+
+
+class ClipResource(dg.ConfigurableResource):
+    """A CLIP model in clip-retrieval's spelling; empty fields fall back to the dataset config."""
+
+    dataset: DatasetResource
+    clip_model: str = ""
+    device: str = ""
+    batch_size: int = 0
+
+    @property
+    def spec(self) -> str:
+        return self.clip_model or self.dataset.config.clip_model
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size or self.dataset.config.batch_size
+
+    def encoder(self) -> ClipEncoder:
+        # cached per process in shardprep.encoders, so a multi-shard run loads the model once
+        return load_clip_encoder(self.spec, device=self.device or self.dataset.config.device)

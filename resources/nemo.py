@@ -1,0 +1,29 @@
+"""NeMo encoders (T5, image autoencoders, CLIP text) as a resource; each model loads once per process."""
+
+import dagster as dg
+
+from resources.dataset import DatasetResource
+from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder, T5TextEncoder
+
+
+class NemoEncoders(dg.ConfigurableResource):
+    """Model paths and sizes come from the dataset config; models are cached per process by
+    shardprep.nemo_encoders, so a batched backfill run loads each of them once."""
+
+    dataset: DatasetResource
+
+    def t5(self) -> T5TextEncoder:
+        cfg = self.dataset.config
+        return T5TextEncoder(cfg.diffusion_t5_model, device=cfg.device, max_length=512)
+
+    def diffusion_autoencoder(self) -> ImageAutoencoder:
+        cfg = self.dataset.config
+        return ImageAutoencoder(cfg.diffusion_autoencoder, device=cfg.device)
+
+    def sd_autoencoder(self) -> ImageAutoencoder:
+        cfg = self.dataset.config
+        return ImageAutoencoder(cfg.sd_autoencoder, device=cfg.device)
+
+    def clip_text(self) -> ClipTextEncoder:
+        cfg = self.dataset.config
+        return ClipTextEncoder(cfg.sd_clip_text_model, device=cfg.device)

@@ -1,0 +1,1 @@
+"""shardprep core library (no Dagster import)."""

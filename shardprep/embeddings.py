@@ -1,0 +1,466 @@
+"""CLIP embeddings of one image shard, written in clip-retrieval's inference layout.
+
+One shard tar -> ``img_emb/img_emb_<shard>.npy``, ``text_emb/text_emb_<shard>.npy`` (float16 [N, D],
+L2-normalised) and ``metadata/metadata_<shard>.parquet`` (``image_path`` = sample key, ``caption``,
+the sample json flattened), rows in tar order and aligned 1:1 — what clip-retrieval writes with
+``input_format="webdataset"``, ``enable_metadata=True`` and ``output_partition_count == #tars``.
+
+Throughput (issue 5, bench/RESULTS.md): tars are read by a direct 512-byte-header parser
+(``iter_tar_members``; ``tarfile`` for compressed ones), samples are decoded, preprocessed and
+tokenised in a thread pool while the model encodes the previous step (``encoders`` module doc
+for the fast preprocess), and on CPU the cores are split between decoding and torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from shardprep.keys import is_meta_member, split_member_name
+from shardprep.layout import Layout
+from shardprep.storage import atomic_write, url_to_fs
+
+if TYPE_CHECKING:
+    from shardprep.encoders import ClipEncoder
+
+IMAGE_EXTS = ("jpg", "png", "webp")  # img2dataset's encode formats, in the order we look for them
+_CHUNK = 16  # samples per pool task: amortises the future overhead, still spreads over threads
+
+
+@dataclass
+class EmbeddingReport:
+    shard: str
+    samples: int
+    dim: int
+    seconds: float
+    norm_min: float | None = None
+    norm_max: float | None = None
+    nan_count: int = 0
+    # samples left out, as clip-retrieval leaves them out: no image, no caption, undecodable image
+    skipped: list[dict] = field(default_factory=list)
+
+
+class ShardReadError(ValueError):
+    """A shard tar cannot be read as an img2dataset webdataset."""
+
+
+_BLOCK = 512
+_REGULAR = (b"0", b"\0", b"7")  # tarfile's REGULAR_TYPES, less GNU sparse (left to tarfile)
+_GNU_NAMES = (b"L", b"K")
+
+
+class _NotPlainTar(Exception):
+    """The stream does not start with a plain tar header (compressed?): read it with tarfile."""
+
+
+def _octal(field: bytes, url: str) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 (sizes over 8 GiB), as tarfile's nti
+        n = int.from_bytes(field[1:], "big")
+        return n - (256 ** (len(field) - 1)) if field[0] == 0xFF else n
+    digits = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(digits or b"0", 8)
+    except ValueError:
+        raise ShardReadError(f"{url}: not a readable tar (bad number field {field!r})") from None
+
+
+def _checksum_ok(header: bytes) -> bool:
+    stored = header[148:156].split(b"\0", 1)[0].strip()
+    try:
+        want = int(stored or b"-1", 8)
+    except ValueError:
+        return False
+    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    if want == unsigned:
+        return True
+    signed = unsigned - 256 * sum(1 for b in header[:148] + header[156:] if b > 127)  # some old tars
+    return want == signed
+
+
+def _read_exact(f, n: int, url: str, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ShardReadError(f"{url}: not a readable tar (truncated {what}: {len(data)} of {n} bytes)")
+    return data
+
+
+def _plain_tar_members(f, url: str, header: bytes) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of the regular files of an uncompressed tar whose first block is ``header``,
+    parsing 512-byte headers directly (tarfile's per-member objects cost more than the rest of a
+    sample's bookkeeping). Handles USTAR prefixes, pax ``path``/``size`` records and GNU long
+    names, as tarfile does."""
+    next_name: str | None = None
+    next_size: int | None = None
+    first = True
+    while True:
+        if not first:
+            header = f.read(_BLOCK)
+        elif not header:
+            raise ShardReadError(f"{url}: not a readable tar (empty file)")
+        if not header or header == bytes(_BLOCK):
+            return  # end-of-archive (or a tar with no end blocks, which tarfile also accepts)
+        if len(header) < _BLOCK:
+            if first:
+                raise _NotPlainTar
+            raise ShardReadError(f"{url}: not a readable tar (truncated header)")
+        if not _checksum_ok(header):
+            if first:
+                raise _NotPlainTar
+            raise ShardReadError(f"{url}: not a readable tar (bad header checksum)")
+        first = False
+        kind = header[156:157]
+        size = _octal(header[124:136], url)
+        if kind not in (b"x", b"g") + _GNU_NAMES and next_size is not None:
+            size = next_size
+        padded = -(-size // _BLOCK) * _BLOCK
+        if kind in (b"x", b"g", b"L", b"K"):
+            payload = _read_exact(f, padded, url, "extended header")[:size]
+            if kind == b"L":
+                next_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            elif kind == b"x":
+                for key, value in _pax_records(payload, url):
+                    if key == "path":
+                        next_name = value
+                    elif key == "size":
+                        next_size = int(value)
+            continue  # "g" (global) and "K" (link names) do not name regular members
+        if kind == b"S":  # GNU sparse: never written by webdataset/img2dataset writers
+            raise ShardReadError(f"{url}: not a readable tar (GNU sparse member {header[:100]!r} unsupported)")
+        if next_name is not None:
+            name = next_name
+        else:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            prefix = header[345:500].split(b"\0", 1)[0]
+            if prefix:  # tarfile applies it whatever the magic
+                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+        next_name = next_size = None
+        if kind in _REGULAR and not (kind == b"\0" and name.endswith("/")):
+            data = _read_exact(f, size, url, f"member {name!r}")
+            if padded > size:
+                _read_exact(f, padded - size, url, f"member {name!r}")
+            yield name, data
+        elif padded:
+            _read_exact(f, padded, url, f"member {name!r}")
+
+
+def _pax_records(payload: bytes, url: str) -> Iterator[tuple[str, str]]:
+    pos = 0
+    while pos < len(payload):
+        space = payload.find(b" ", pos)
+        try:
+            length = int(payload[pos:space])
+        except ValueError:
+            raise ShardReadError(f"{url}: not a readable tar (bad pax header)") from None
+        record = payload[space + 1:pos + length - 1]  # drops the trailing newline
+        key, _, value = record.partition(b"=")
+        yield key.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
+        pos += length
+
+
+def _tarfile_members(f, url: str) -> Iterator[tuple[str, bytes]]:
+    try:
+        with tarfile.open(fileobj=f, mode="r|*") as tar:
+            for member in tar:
+                if member.isreg():
+                    yield member.name, tar.extractfile(member).read()
+    except tarfile.TarError as e:
+        raise ShardReadError(f"{url}: not a readable tar ({e})") from e
+
+
+class _Prefixed:
+    """A read-only stream: ``prefix`` bytes, then the rest of ``f`` (tarfile's stream mode only reads)."""
+
+    def __init__(self, prefix: bytes, f):
+        self.prefix, self.f = prefix, f
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.prefix:
+            return self.f.read(n)
+        if n is None or n < 0:
+            out, self.prefix = self.prefix + self.f.read(), b""
+            return out
+        out, self.prefix = self.prefix[:n], self.prefix[n:]
+        return out + (self.f.read(n - len(out)) if len(out) < n else b"")
+
+
+def iter_stream_members(f, url: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular file of the tar read from stream ``f`` (``url`` names it in
+    errors), in archive order. Plain tars are parsed directly; compressed or unusual ones
+    (detected on the first header, before anything is yielded) go through ``tarfile``."""
+    first = f.read(_BLOCK)
+    try:
+        yield from _plain_tar_members(f, url, first)
+        return
+    except _NotPlainTar:
+        pass
+    yield from _tarfile_members(_Prefixed(first, f), url)
+
+
+def iter_tar_members(url: str) -> Iterator[tuple[str, bytes]]:
+    """``iter_stream_members`` of a tar given by its fsspec URL."""
+    fs, path = url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        yield from iter_stream_members(f, url)
+
+
+def iter_tar_samples(url: str) -> Iterator[dict]:
+    """Samples of a webdataset tar (fsspec URL) in tar order: ``{"__key__": k, ext: bytes, ...}``.
+
+    Grouping follows webdataset: consecutive members with the same key form one sample. A key that
+    appears again later, or an extension twice in a sample, is an error naming the tar and key.
+    """
+    seen: set[str] = set()
+    current: dict | None = None
+    for name, data in iter_tar_members(url):
+        split = None if is_meta_member(name) else split_member_name(name)
+        if split is None:
+            continue
+        key, ext = split
+        ext = ext.lower()
+        if current is None or key != current["__key__"]:
+            if current is not None:
+                yield current
+            if key in seen:
+                raise ShardReadError(f"{url}: sample key {key!r} appears twice (members not contiguous)")
+            seen.add(key)
+            current = {"__key__": key}
+        if ext in current:
+            raise ShardReadError(f"{url}: sample {key!r} has two '{ext}' members")
+        current[ext] = data
+    if current is not None:
+        yield current
+
+
+def _image_ext(sample: dict) -> str | None:
+    return next((e for e in IMAGE_EXTS if e in sample), None)
+
+
+def _prepare(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, out=None) -> dict:
+    """Decode + preprocess + tokenise one sample (runs in a worker thread); errors become a skip record.
+
+    ``out``: the sample's row of the batch's image buffer (fast preprocessing writes there)."""
+    key = sample["__key__"]
+    ext = _image_ext(sample)
+    if ext is None:
+        return {"key": key, "skip": "no image member (" + "/".join(IMAGE_EXTS) + ")"}
+    if enable_text and "txt" not in sample:
+        return {"key": key, "skip": "no .txt caption"}
+    try:
+        caption = sample["txt"].decode("utf-8") if "txt" in sample else None
+    except UnicodeDecodeError as e:
+        return {"key": key, "skip": f"caption is not UTF-8: {e}"}
+    try:
+        image = encoder.prepare_image(sample[ext], out)
+    except Exception as e:  # a bad image is a recorded skip, never a crash (clip-retrieval skips too)
+        return {"key": key, "skip": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
+    raw_meta = sample.get("json", b"{}").decode("utf-8")
+    try:
+        meta = json.loads(raw_meta)
+    except ValueError as e:
+        raise ShardReadError(f"{url}: sample {key!r}: .json is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ShardReadError(f"{url}: sample {key!r}: .json must hold an object, got {type(meta).__name__}")
+    # tokenised here, in the pool, so the (pure Python) BPE overlaps the model's forward pass;
+    # rows are independent, so one row at a time gives the batch's ids
+    tokens = encoder.tokenizer([caption]) if enable_text else None
+    return {"key": key, "image": image, "caption": caption, "meta": meta, "tokens": tokens}
+
+
+def _prepare_chunk(samples: list[dict], start: int, buffer, encoder: "ClipEncoder", enable_text: bool,
+                   url: str) -> list[dict]:
+    out = []
+    for slot, sample in enumerate(samples, start):
+        item = _prepare(sample, encoder, enable_text, url, None if buffer is None else buffer[slot])
+        item["slot"] = slot
+        out.append(item)
+    return out
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def thread_split(device: str) -> tuple[int, int]:
+    """(decode threads, torch threads): a decode thread per core (they idle while a batch is being
+    encoded), and with the model on the CPU torch gets half the cores: its pool on every core,
+    next to busy decode threads, spends more time spinning than computing (measured on 2 cores:
+    2 torch threads were slower than 1). With a GPU torch's CPU threads are left alone."""
+    cores = _cores()
+    return max(2, cores), (max(1, cores // 2) if device == "cpu" else 0)
+
+
+# On the CPU the model runs on steps of at most this many samples, so decoding the next step
+# overlaps the model from the first step of a shard on (a step of a whole small shard would leave
+# no overlap at all); rows are independent, so the step size does not change the embeddings.
+CPU_STEP = 64
+
+
+def metadata_frame(keys: list[str], captions: list[str] | None, metas: list[dict]):
+    """clip-retrieval's writer.py with enable_metadata: image_path, caption, json_normalize(json) minus dups."""
+    import pandas as pd
+
+    data = {"image_path": keys}
+    if captions is not None:
+        data["caption"] = captions
+    df = pd.DataFrame(data)
+    parsed = pd.json_normalize(metas)
+    parsed = parsed.drop(columns=list({"caption", "metadata", "image_path"} & set(parsed.columns)))
+    return df.join(parsed)
+
+
+def _save_npy(url: str, array: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    with atomic_write(url) as f:
+        f.write(buf.getbuffer())
+
+
+def _remove_outputs(layout: Layout, shard: str) -> None:
+    # a shard that now has no samples must not keep embeddings from an earlier run
+    for url in (layout.img_emb(shard), layout.text_emb(shard), layout.emb_metadata(shard)):
+        fs, path = url_to_fs(url)
+        if fs.exists(path):
+            fs.rm(path)
+
+
+@contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block (0: unchanged); process-wide, like torch."""
+    if n <= 0:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", batch_size: int = 256,
+                          enable_text: bool = True) -> EmbeddingReport:
+    """Embed every sample of ``layout.tar(shard)`` with ``encoder`` and write the
+    clip-retrieval files for that shard. A missing or sample-less tar writes nothing (and removes
+    stale outputs), like clip-retrieval, whose writer skips empty partitions."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    start = time.perf_counter()
+    tar_url = layout.tar(shard)
+    fs, tar_path = url_to_fs(tar_url)
+    report = EmbeddingReport(shard=shard, samples=0, dim=encoder.dim, seconds=0.0)
+    if not fs.exists(tar_path):
+        _remove_outputs(layout, shard)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    keys: list[str] = []
+    captions: list[str] = []
+    metas: list[dict] = []
+    img_chunks: list[np.ndarray] = []
+    txt_chunks: list[np.ndarray] = []
+    seen_captions = False
+
+    step = batch_size if encoder.device != "cpu" else min(batch_size, CPU_STEP)
+
+    def batches() -> Iterator[list[dict]]:
+        batch: list[dict] = []
+        for sample in iter_tar_samples(tar_url):
+            batch.append(sample)
+            if len(batch) == step:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def run(buffer, futures) -> None:
+        ready = []
+        for fut in futures:
+            for item in fut.result():
+                if "skip" in item:
+                    report.skipped.append({"key": item["key"], "reason": item["skip"]})
+                    continue
+                ready.append(item)
+        if not ready:
+            return
+        if buffer is None:
+            images = [it["image"] for it in ready]
+        else:
+            slots = [it["slot"] for it in ready]
+            # the buffer's first rows when nothing was skipped, else a copy of the rows that decoded
+            images = buffer[: len(slots)] if slots[-1] == len(slots) - 1 else buffer[slots]
+        img_chunks.append(encoder.encode_prepared(images))
+        if enable_text:
+            import torch
+
+            txt_chunks.append(encoder.encode_tokens(torch.cat([it["tokens"] for it in ready])))
+            captions.extend(it["caption"] for it in ready)
+        keys.extend(it["key"] for it in ready)
+        metas.extend(it["meta"] for it in ready)
+
+    # decode+preprocess of the next batch runs in threads while the model encodes the current one
+    # (PIL, OpenCV and torch release the GIL for the heavy parts). Fast preprocessing writes into
+    # two reused batch buffers (fresh ones per batch cost page faults): one is filled while the
+    # other is encoded.
+    buffers = [encoder.new_image_buffer(step) for _ in range(2)] if encoder.fast_preprocess else [None, None]
+    decode_threads, torch_threads = thread_split(encoder.device)
+    with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="clip-prep") as pool, \
+            _torch_threads(torch_threads):
+        pending: deque = deque()
+        for n, raw in enumerate(batches()):
+            seen_captions = seen_captions or any("txt" in s for s in raw)
+            buffer = buffers[n % 2]
+            pending.append((buffer, [pool.submit(_prepare_chunk, raw[i:i + _CHUNK], i, buffer, encoder,
+                                                 enable_text, tar_url) for i in range(0, len(raw), _CHUNK)]))
+            if len(pending) > 1:
+                run(*pending.popleft())
+        while pending:
+            run(*pending.popleft())
+
+    if enable_text and report.skipped and not seen_captions:
+        raise ShardReadError(
+            f"shard {shard}: {tar_url} has no .txt captions, so every sample was skipped; "
+            "set enable_text to false for datasets without captions"
+        )
+    if not keys:
+        _remove_outputs(layout, shard)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    img = np.concatenate(img_chunks)
+    arrays = [img] + ([np.concatenate(txt_chunks)] if enable_text else [])
+    norms = np.concatenate([np.linalg.norm(a.astype(np.float32), axis=1) for a in arrays])
+    report.samples = len(keys)
+    report.dim = int(img.shape[1])
+    report.nan_count = int(sum(np.isnan(a).sum() for a in arrays))
+    report.norm_min = float(np.nanmin(norms)) if np.isfinite(norms).any() else None
+    report.norm_max = float(np.nanmax(norms)) if np.isfinite(norms).any() else None
+
+    df = metadata_frame(keys, captions if enable_text else None, metas)
+    _save_npy(layout.img_emb(shard), img)
+    if enable_text:
+        _save_npy(layout.text_emb(shard), arrays[1])
+    else:
+        fs_t, p_t = url_to_fs(layout.text_emb(shard))
+        if fs_t.exists(p_t):  # a text file from an earlier run would no longer align with the metadata
+            fs_t.rm(p_t)
+    buf = io.BytesIO()
+    df.to_parquet(buf)
+    with atomic_write(layout.emb_metadata(shard)) as f:
+        f.write(buf.getbuffer())
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,340 @@
+"""CLIP image/text encoder loaded through all_clip, so every clip-retrieval model spec works.
+
+Specs: ``ViT-B/32`` (OpenAI, clip-anytorch), ``open_clip:ARCH/PRETRAINED``, ``hf_clip:NAME_OR_DIR``.
+Embeddings are computed the way clip-retrieval's ``ClipMapper`` does (``encode_image``/``encode_text``,
+L2-normalised, stored as float16), so our files are interchangeable with clip-retrieval's.
+
+Fast preprocessing (``encoder.fast_preprocess``, on whenever the model's preprocess is one we can
+read: torchvision's Resize/CenterCrop/ToTensor/Normalize or Hugging Face's CLIPImageProcessor):
+``decode_for_clip`` decodes a JPEG at reduced DCT scale when it is at least 4x the model input
+(PIL ``draft``, keeping >= 2x) and then resizes with OpenCV's area filter; smaller images get PIL's
+own bicubic resize, so their pixels are exactly the reference preprocess's. ``prepare_image``
+center crops and writes the image as planes into a row of a reused batch buffer: normalised
+float32 on CPU (in the decode thread, while the image is in cache), uint8 in page-locked memory
+with a GPU, where ``encode_image_arrays`` normalises the whole batch after one copy (a quarter of
+the bytes). Embeddings stay within cosine 0.99 of the per-image preprocess on large photo-like
+images and equal to float rounding on small ones (tests/test_fast_paths.py; bench/RESULTS.md).
+``encoder.exact()`` gives the same model with the original per-image preprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# Real model loads in this process (the cache below makes repeated loads free); tests assert on it.
+LOAD_COUNT = 0
+_CACHE: dict[tuple[str, str, bool], "ClipEncoder"] = {}
+_LOCK = threading.Lock()
+
+
+def resolve_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+# a JPEG is DCT-downscaled only while it keeps this many pixels per model-input pixel (both sides)
+DRAFT_GAP = 2.0
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What a CLIP preprocess does to an image, read off the preprocess object."""
+
+    resize: int  # shortest edge after resizing
+    crop: tuple[int, int]  # (height, width) of the center crop
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    round_offsets: bool  # torchvision rounds the crop offsets, Hugging Face floors them
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(w, h) after the shortest-edge resize, as torchvision and Hugging Face compute it."""
+        short, long = (width, height) if width <= height else (height, width)
+        if short == self.resize:
+            return width, height
+        new_long = int(self.resize * long / short)
+        return (self.resize, new_long) if width <= height else (new_long, self.resize)
+
+
+def image_spec_of(preprocess: Callable) -> ImageSpec | None:
+    """The ``ImageSpec`` of an all_clip preprocess, or ``None`` when it does anything we do not model
+    (then the encoder keeps the per-image preprocess)."""
+    try:
+        return _torchvision_spec(preprocess) or _hf_spec(preprocess)
+    except Exception:  # noqa: BLE001 - an unexpected preprocess object just means "no fast path"
+        return None
+
+
+def _torchvision_spec(preprocess) -> ImageSpec | None:
+    import torchvision.transforms as T
+
+    if not isinstance(preprocess, T.Compose):
+        return None
+    resize = crop = norm = None
+    to_tensor = False
+    for t in preprocess.transforms:
+        if isinstance(t, T.Resize):
+            size = t.size if isinstance(t.size, int) else (t.size[0] if len(t.size) == 1 else None)
+            if (size is None or t.max_size is not None or t.interpolation != T.InterpolationMode.BICUBIC
+                    or resize is not None or crop is not None):
+                return None
+            resize = size
+        elif isinstance(t, T.CenterCrop):
+            crop = tuple(t.size) if len(t.size) == 2 else (t.size[0], t.size[0])
+        elif isinstance(t, T.ToTensor):
+            to_tensor = True
+        elif isinstance(t, T.Normalize):
+            norm = (tuple(float(x) for x in t.mean), tuple(float(x) for x in t.std))
+        elif getattr(t, "__name__", "") in ("_convert_to_rgb", "_convert_image_to_rgb"):
+            continue
+        else:
+            return None
+    if resize is None or crop is None or norm is None or not to_tensor or min(crop) > resize:
+        return None
+    return ImageSpec(resize, crop, norm[0], norm[1], round_offsets=True)
+
+
+def _hf_spec(preprocess) -> ImageSpec | None:
+    # all_clip's hf_clip loader returns ``lambda x: processor(x, return_tensors="pt").pixel_values``
+    cells = [c.cell_contents for c in (getattr(preprocess, "__closure__", None) or ())]
+    proc = next((c for c in cells if type(c).__name__ == "CLIPImageProcessor"), None)
+    if proc is None:
+        return None
+    size = proc.size or {}
+    if (not proc.do_resize or set(size) != {"shortest_edge"} or int(proc.resample) != 3  # PIL BICUBIC
+            or not proc.do_center_crop or not proc.do_rescale or abs(proc.rescale_factor - 1 / 255) > 1e-12
+            or not proc.do_normalize or not getattr(proc, "do_convert_rgb", True)):
+        return None
+    crop = (int(proc.crop_size["height"]), int(proc.crop_size["width"]))
+    if min(crop) > size["shortest_edge"]:
+        return None
+    return ImageSpec(int(size["shortest_edge"]), crop, tuple(float(x) for x in proc.image_mean),
+                     tuple(float(x) for x in proc.image_std), round_offsets=False)
+
+
+def decode_for_clip(data: bytes, spec: ImageSpec) -> np.ndarray:
+    """Image bytes -> uint8 RGB ``[crop_h, crop_w, 3]``: DCT-reduced JPEG decode, resize, crop.
+
+    Raises like PIL for an undecodable image (the caller records a skip)."""
+    return np.ascontiguousarray(_decode_crop(data, spec))
+
+
+def _decode_crop(data: bytes, spec: ImageSpec) -> np.ndarray:
+    # decode_for_clip without the final copy (the crop is a view of the resized image)
+    import cv2
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        width, height = im.size
+        new_w, new_h = spec.resized_size(width, height)
+        reduced = False
+        if im.format == "JPEG" and new_w * DRAFT_GAP * 2 <= width and new_h * DRAFT_GAP * 2 <= height:
+            # largest DCT reduction that keeps DRAFT_GAP x the target (PIL picks the scale)
+            im.draft("RGB", (int(DRAFT_GAP * new_w + 0.999), int(DRAFT_GAP * new_h + 0.999)))
+            reduced = im.size != (width, height)
+        rgb = im if im.mode == "RGB" else im.convert("RGB")
+        if not reduced and rgb.size != (new_w, new_h):
+            # no DCT reduction: PIL's own resize, so the pixels are the reference preprocess's
+            rgb = rgb.resize((new_w, new_h), Image.BICUBIC)
+        arr = np.asarray(rgb)
+    if arr.shape[1] != new_w or arr.shape[0] != new_h:
+        # after a DCT reduction the image is still >= DRAFT_GAP x the target: area averages
+        # every source pixel (what PIL's antialiased bicubic approximates), at SIMD speed
+        arr = cv2.resize(arr, (new_w, new_h), interpolation=cv2.INTER_AREA)
+    crop_h, crop_w = spec.crop
+    if spec.round_offsets:
+        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+    else:
+        top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2
+    return arr[top:top + crop_h, left:left + crop_w]
+
+
+class ClipEncoder:
+    """A loaded CLIP model with its preprocess and tokenizer (as all_clip returns them)."""
+
+    def __init__(self, spec: str, device: str, model: Any, preprocess: Callable, tokenizer: Callable,
+                 batch_size: int = 256):
+        self.spec = spec
+        self.device = device
+        self.model = model
+        self.preprocess = preprocess  # PIL image -> tensor ([3,H,W], or [1,3,H,W] for hf_clip)
+        self.tokenizer = tokenizer  # list[str] -> LongTensor[N, context]
+        self.batch_size = batch_size
+        self.image_spec = image_spec_of(preprocess)
+        # batched uint8 preprocessing (module doc); False: the per-image preprocess above
+        self.fast_preprocess = self.image_spec is not None
+        self._norm: dict = {}
+        # Hugging Face CLIP text towers are causal, pool at the first end-of-text token and take
+        # positions from the sequence length, so the all-zero padding columns after the batch's
+        # last token change nothing: they are cut (OpenAI/open_clip towers add a fixed 77-row
+        # position table, so they keep their padding)
+        inner = getattr(model, "inner_model", None)
+        self.trim_text_padding = type(inner).__name__ == "CLIPModel" and type(inner).__module__.startswith("transformers")
+        self.dim = int(self.encode_texts([""]).shape[1])
+
+    def __repr__(self) -> str:
+        mode = "fast" if self.fast_preprocess else "exact"
+        return f"ClipEncoder({self.spec!r}, device={self.device!r}, dim={self.dim}, preprocess={mode})"
+
+    def exact(self) -> "ClipEncoder":
+        """The same model (shared, not copied) with the original per-image preprocess."""
+        other = copy.copy(self)
+        other.fast_preprocess = False
+        return other
+
+    def prepare_image(self, data: bytes, out: np.ndarray | None = None):
+        """Image bytes -> what ``encode_prepared`` takes. Fast: a ``[3, H, W]`` image in the
+        buffer's dtype (``out``, a row of ``new_image_buffer``, when given); else the per-image
+        preprocess's tensor."""
+        if not self.fast_preprocess:
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as im:
+                return self.preprocess(im)
+        import cv2
+
+        crop = _decode_crop(data, self.image_spec)
+        if out is None:
+            out = np.empty((3, *self.image_spec.crop), self._buffer_dtype())
+        planes = cv2.split(crop)
+        if out.dtype == np.uint8:  # GPU: normalised there, after the copy
+            for c in range(3):
+                out[c] = planes[c]
+        else:  # CPU: (x / 255 - mean) / std here, in the worker thread, while the cache is warm
+            scale, shift = self._plane_norm()
+            for c in range(3):
+                np.multiply(planes[c], scale[c], out=out[c], dtype=np.float32)
+                out[c] -= shift[c]
+        return out
+
+    def encode_prepared(self, items) -> np.ndarray:
+        """Outputs of ``prepare_image`` (a list, or rows of an image buffer) -> float16 [N, D]."""
+        return self.encode_image_arrays(items) if self.fast_preprocess else self.encode_image_tensors(items)
+
+    def _buffer_dtype(self):
+        return np.float32 if self.device == "cpu" else np.uint8
+
+    def new_image_buffer(self, n: int) -> np.ndarray:
+        """A ``[n, 3, H, W]`` batch buffer for ``prepare_image(out=...)``: float32, normalised, on
+        CPU; uint8 in page-locked memory with a GPU (4x fewer bytes to copy, asynchronously)."""
+        import torch
+
+        h, w = self.image_spec.crop
+        if self.device == "cpu":
+            return np.empty((n, 3, h, w), np.float32)
+        return torch.empty((n, 3, h, w), dtype=torch.uint8, pin_memory=True).numpy()
+
+    def _plane_norm(self):
+        if "plane" not in self._norm:
+            mean = np.asarray(self.image_spec.mean, np.float64)
+            std = np.asarray(self.image_spec.std, np.float64)
+            # (x / 255 - mean) / std as one multiply and one subtraction per element
+            self._norm["plane"] = ((1.0 / (255.0 * std)).astype(np.float32), (mean / std).astype(np.float32))
+        return self._norm["plane"]
+
+    def encode_image_arrays(self, arrays) -> np.ndarray:
+        """``prepare_image`` outputs (a list of ``[3, H, W]`` or a ``[N, 3, H, W]`` buffer slice)
+        -> float16 [N, D]. On a GPU the uint8 batch is copied once and normalised there."""
+        import torch
+
+        if len(arrays) == 0:
+            return np.zeros((0, self.dim), dtype=np.float16)
+        batch = torch.from_numpy(arrays if isinstance(arrays, np.ndarray) else np.stack(arrays))
+        if batch.dtype == torch.uint8:
+            scale, shift = (torch.from_numpy(v).view(1, 3, 1, 1).to(self.device) for v in self._plane_norm())
+            x = batch.to(self.device, non_blocking=True).float()
+            x = torch.addcmul(-shift, x, scale)
+        else:
+            x = batch.to(self.device)
+        with torch.inference_mode():
+            return self._normalised_f16(self.model.encode_image(x))
+
+    @staticmethod
+    def _normalised_f16(features) -> np.ndarray:
+        import torch
+
+        # normalise in float32 (autocast on GPU may hand back bf16/fp16), then store float16 like
+        # clip-retrieval's mapper does
+        f = features.float()
+        f = f / f.norm(dim=-1, keepdim=True)
+        return f.cpu().to(torch.float16).numpy()
+
+    def encode_image_tensors(self, tensors: Sequence) -> np.ndarray:
+        """Preprocessed image tensors (outputs of ``self.preprocess``) -> float16 [N, D]."""
+        import torch
+
+        if len(tensors) == 0:
+            return np.zeros((0, self.dim), dtype=np.float16)
+        # stacked exactly as clip-retrieval's DataLoader collates them (hf_clip squeezes dim 1 itself)
+        batch = torch.stack(list(tensors)).to(self.device)
+        with torch.inference_mode():
+            return self._normalised_f16(self.model.encode_image(batch))
+
+    def encode_images(self, images: Sequence) -> np.ndarray:
+        """PIL images -> L2-normalised float16 [N, D], in batches of ``batch_size``."""
+        out = [self.encode_image_tensors([self.preprocess(im) for im in images[i : i + self.batch_size]])
+               for i in range(0, len(images), self.batch_size)]
+        return np.concatenate(out) if out else np.zeros((0, self.dim), dtype=np.float16)
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Captions -> L2-normalised float16 [N, D] (tokenised like clip-retrieval: truncated to context)."""
+        chunks = [self.encode_tokens(self.tokenizer(list(texts[i : i + self.batch_size])))
+                  for i in range(0, len(texts), self.batch_size)]
+        if not chunks:
+            return np.zeros((0, getattr(self, "dim", 0)), dtype=np.float16)
+        return np.concatenate(chunks)
+
+    def encode_tokens(self, tokens) -> np.ndarray:
+        """Token ids ``[N, context]`` (``self.tokenizer``'s output) -> float16 [N, D]."""
+        import torch
+
+        if self.trim_text_padding and tokens.ndim == 2 and tokens.shape[1] > 1:
+            used = int((tokens != 0).any(dim=0).nonzero().max()) + 1 if bool((tokens != 0).any()) else 1
+            tokens = tokens[:, :used]
+        with torch.inference_mode():
+            return self._normalised_f16(self.model.encode_text(tokens.to(self.device)))
+
+
+def load_clip_encoder(spec: str, device: str = "auto", use_jit: bool = False) -> ClipEncoder:
+    """Load ``spec`` once per process (cached by spec, device and jit) through ``all_clip.load_clip``."""
+    global LOAD_COUNT
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"clip model spec must be a non-empty string, got {spec!r}")
+    resolved = resolve_device(device)
+    key = (spec, resolved, bool(use_jit))
+    with _LOCK:
+        enc = _CACHE.get(key)
+        if enc is not None:
+            return enc
+        from all_clip import load_clip
+
+        try:
+            model, preprocess, tokenizer = load_clip(
+                clip_model=spec, use_jit=use_jit, warmup_batch_size=1, device=resolved
+            )
+        except Exception as e:
+            raise RuntimeError(f"could not load CLIP model {spec!r} on {resolved}: {type(e).__name__}: {e}") from e
+        if hasattr(model, "eval"):
+            model.eval()
+        enc = ClipEncoder(spec, resolved, model, preprocess, tokenizer)
+        LOAD_COUNT += 1
+        _CACHE[key] = enc
+        return enc
+
+
+def clear_encoder_cache() -> None:
+    """Forget cached encoders (all_clip keeps its own lru_cache; this only resets ours)."""
+    with _LOCK:
+        _CACHE.clear()

@@ -1,0 +1,277 @@
+"""Download, resize and write one img2dataset-compatible webdataset shard.
+
+Per shard (``shard = shard_key(shard_id)``) under ``Layout.images_dir``:
+
+* ``{shard}.tar``: per successful sample ``{key}.{jpg|png|webp}``, ``{key}.json``, ``{key}.txt``
+  (with a caption column), members sorted by extension, USTAR headers as webdataset 0.2's
+  ``TarWriter`` writes them. Not written at all when no sample succeeded.
+* ``{shard}.parquet``: one row per input row, img2dataset's columns and types.
+* ``{shard}_stats.json``: img2dataset's fields; written last, it marks the shard complete.
+
+Differences from img2dataset, by design: samples and parquet rows are in key order (not download
+completion order), so a shard's content is deterministic; a shard without successes has no tar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardprep.config import DatasetConfig
+from shardprep.fetch import fetch, make_pool
+from shardprep.keys import compute_key, shard_key
+from shardprep.layout import Layout
+from shardprep.resize import resize_image
+from shardprep.storage import atomic_write, url_to_fs
+
+HASH_COLUMN = "sha256"  # img2dataset's default compute_hash; the column is named after it
+TAR_USER = TAR_GROUP = "bigdata"  # webdataset TarWriter's defaults
+TAR_MODE = 0o444
+
+
+@dataclass
+class ShardReport:
+    shard: str
+    count: int
+    successes: int
+    failed_to_download: int
+    failed_to_resize: int
+    status_dict: dict[str, int] = field(default_factory=dict)
+    tar_bytes: int = 0
+    seconds: float = 0.0
+    tar_written: bool = False
+
+
+@dataclass
+class _Outcome:
+    status: str
+    error: str | None = None
+    image: bytes | None = None
+    width: int | None = None
+    height: int | None = None
+    original_width: int | None = None
+    original_height: int | None = None
+    exif: str | None = None
+    sha256: str | None = None
+
+
+def input_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
+    """(source column, output name) in img2dataset's order: additional columns, caption, url."""
+    cols = [(c, c) for c in cfg.save_additional_columns]
+    if cfg.caption_col is not None:
+        cols.append((cfg.caption_col, "caption"))
+    cols.append((cfg.url_col, "url"))
+    return cols
+
+
+def output_schema(input_schema: pa.Schema, extract_exif: bool = True) -> pa.Schema:
+    """img2dataset's parquet schema: the input columns, then its status and size columns."""
+    schema = input_schema
+    for name, typ in (("key", pa.string()), ("status", pa.string()), ("error_message", pa.string()),
+                      ("width", pa.int32()), ("height", pa.int32()),
+                      ("original_width", pa.int32()), ("original_height", pa.int32())):
+        schema = schema.append(pa.field(name, typ))
+    if extract_exif:
+        schema = schema.append(pa.field("exif", pa.string()))
+    return schema.append(pa.field(HASH_COLUMN, pa.string()))
+
+
+def _exif_json(data: bytes) -> str | None:
+    """EXIF as img2dataset stores it (exifread's tag names); ``None`` when absent or exifread is missing."""
+    try:
+        import exifread  # img2dataset's dependency (ExifRead-nocycle)
+    except ImportError:
+        return None
+    logging.getLogger("exifread").setLevel(logging.CRITICAL)
+    try:
+        tags = exifread.process_file(io.BytesIO(data), details=False)
+        return json.dumps({k: str(v).strip() for k, v in tags.items() if v is not None})
+    except Exception:  # noqa: BLE001 - unreadable EXIF is no reason to drop the image (img2dataset: None)
+        return None
+
+
+def _process_one(url: Any, *, download: Callable, resize: Callable, extract_exif: bool,
+                 cpu_slots: threading.Semaphore) -> _Outcome:
+    """Download + decode/resize/encode one URL (runs in a pool thread; OpenCV releases the GIL).
+
+    Downloads overlap freely; the decode/resize/encode step waits for one of ``cpu_slots``, so at
+    most that many full-size images are decoded at once (memory) and the cores are not
+    oversubscribed by dozens of threads decoding together (the GIL handoffs between them cost more
+    than they gain)."""
+    fetched = download(url)
+    if fetched.error is not None:
+        return _Outcome("failed_to_download", fetched.error)
+    data = fetched.data
+    with cpu_slots:
+        r = resize(data)
+        if r.error is not None:
+            return _Outcome("failed_to_resize", r.error)
+        exif = _exif_json(data) if extract_exif else None
+    return _Outcome("success", None, r.data, r.width, r.height, r.original_width, r.original_height,
+                    exif, hashlib.sha256(data).hexdigest())
+
+
+def decode_slots(cfg: DatasetConfig) -> int:
+    """Images decoded at once in one shard: ``decode_threads``, or one per CPU core when 0."""
+    if cfg.decode_threads:
+        return cfg.decode_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores)
+
+
+def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int) -> Iterator:
+    """``map(fn, items)`` on ``threads`` threads, results in input order, at most ``max_in_flight``
+    submitted and not yet consumed (so finished-but-unwritten images cannot pile up in memory)."""
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardprep-dl") as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= max_in_flight:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for fut in pending:  # the consumer stopped early: do not start what is still queued
+                fut.cancel()
+
+
+def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    # the header webdataset 0.2's TarWriter.write makes
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    info.mtime = time.time()
+    info.mode = TAR_MODE
+    info.uname, info.gname = TAR_USER, TAR_GROUP
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def write_sample(tar: tarfile.TarFile, key: str, members: dict[str, bytes | str]) -> int:
+    """Write one sample's members, sorted by extension like TarWriter; returns the payload bytes."""
+    total = 0
+    for ext in sorted(members):
+        v = members[ext]
+        payload = v.encode("utf-8") if isinstance(v, str) else v
+        _add_member(tar, f"{key}.{ext}", payload)
+        total += len(payload)
+    return total
+
+
+def _remove_if_exists(url: str) -> None:
+    fs, path = url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout) -> ShardReport:
+    """Download and write shard ``shard_id`` from its input rows ``table`` (source column names)."""
+    start_time = time.time()
+    shard = shard_key(shard_id, cfg.oom_shard_count)
+    columns = input_columns(cfg)
+    missing = [src for src, _ in columns if src not in table.column_names]
+    if missing:
+        raise ValueError(f"shard {shard}: input rows lack column(s) {missing}; "
+                         f"they have {table.column_names} (check url_col/caption_col/save_additional_columns)")
+    if table.num_rows > cfg.samples_per_shard:
+        raise ValueError(f"shard {shard}: {table.num_rows} rows but samples_per_shard is {cfg.samples_per_shard}; "
+                         "keys would collide with the next shard")
+
+    inputs = table.select([src for src, _ in columns]).rename_columns([out for _, out in columns])
+    schema = output_schema(inputs.schema, cfg.extract_exif)
+    values = {name: inputs.column(name).to_pylist() for name in inputs.column_names}
+    urls = values["url"]
+    names_in = inputs.column_names
+    keys = [compute_key(i, shard_id, cfg.oom_sample, cfg.oom_shard_count) for i in range(inputs.num_rows)]
+
+    # an older, complete run of this shard must not look complete while it is being rewritten
+    _remove_if_exists(layout.shard_stats(shard))
+
+    pool = make_pool(cfg.thread_count)
+    work = partial(
+        _process_one,
+        download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
+                         retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent),
+        resize=partial(resize_image, image_size=cfg.image_size, resize_mode=cfg.resize_mode,
+                       resize_only_if_bigger=cfg.resize_only_if_bigger, encode_format=cfg.encode_format,
+                       encode_quality=cfg.encode_quality, max_image_pixels=cfg.max_image_pixels,
+                       fast_decode=cfg.fast_decode),
+        extract_exif=cfg.extract_exif,
+        cpu_slots=threading.BoundedSemaphore(decode_slots(cfg)),
+    )
+    out_cols: dict[str, list] = {name: [] for name in schema.names}
+    counts: Counter = Counter()
+    status_dict: Counter = Counter()
+    tar_file = None
+    tar: tarfile.TarFile | None = None
+    try:
+        with ExitStack() as stack:
+            for i, outcome in enumerate(ordered_map(work, urls, cfg.thread_count, 2 * cfg.thread_count)):
+                counts[outcome.status] += 1
+                status_dict[outcome.error if outcome.error is not None else "success"] += 1
+                meta: dict[str, Any] = {name: values[name][i] for name in names_in}
+                meta.update(key=keys[i], status=outcome.status, error_message=outcome.error,
+                            width=outcome.width, height=outcome.height,
+                            original_width=outcome.original_width, original_height=outcome.original_height)
+                if cfg.extract_exif:
+                    meta["exif"] = outcome.exif
+                meta[HASH_COLUMN] = outcome.sha256
+                for name in schema.names:
+                    out_cols[name].append(meta[name])
+                if outcome.status != "success":
+                    continue
+                if tar is None:  # opened at the first success: a shard without any gets no tar
+                    tar_file = stack.enter_context(atomic_write(layout.tar(shard)))
+                    tar = stack.enter_context(tarfile.open(fileobj=tar_file, mode="w|", format=tarfile.USTAR_FORMAT))
+                members: dict[str, bytes | str] = {cfg.encode_format: outcome.image,
+                                                   "json": json.dumps(meta, indent=4, default=str)}
+                if cfg.caption_col is not None:
+                    caption = values["caption"][i]
+                    members["txt"] = str(caption) if caption is not None else ""
+                write_sample(tar, keys[i], members)
+            if tar is not None:
+                tar.close()  # writes the end-of-archive blocks before atomic_write commits
+            tar_bytes = tar_file.tell() if tar_file is not None else 0
+    finally:
+        pool.clear()
+    tar_written = tar is not None
+    if not tar_written:
+        _remove_if_exists(layout.tar(shard))  # a stale tar from an older run would contradict the parquet
+
+    with atomic_write(layout.shard_parquet(shard)) as f:
+        pq.write_table(pa.Table.from_pydict(out_cols, schema=schema), f)
+
+    end_time = time.time()
+    stats = {
+        "count": inputs.num_rows,
+        "successes": counts["success"],
+        "failed_to_download": counts["failed_to_download"],
+        "failed_to_resize": counts["failed_to_resize"],
+        "duration": end_time - start_time,
+        "start_time": start_time,
+        "end_time": end_time,
+        "status_dict": dict(status_dict),
+    }
+    with atomic_write(layout.shard_stats(shard)) as f:
+        f.write(json.dumps(stats, indent=4).encode("utf-8"))
+    return ShardReport(shard=shard, count=inputs.num_rows, successes=counts["success"],
+                       failed_to_download=counts["failed_to_download"], failed_to_resize=counts["failed_to_resize"],
+                       status_dict=dict(status_dict), tar_bytes=tar_bytes, seconds=end_time - start_time,
+                       tar_written=tar_written)

@@ -1,0 +1,101 @@
+"""Where every artifact lives under the output root (one place, so assets and loaders agree)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: str
+
+    def _join(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    @property
+    def ledger(self) -> str:
+        return self._join("ledger.json")
+
+    # source_parquet: the rows of one shard, validated, with input columns kept
+    def source_parquet(self, shard: str) -> str:
+        return self._join("parquet", f"{shard}.parquet")
+
+    # image_shards: img2dataset's webdataset layout
+    @property
+    def images_dir(self) -> str:
+        return self._join("images")
+
+    def tar(self, shard: str) -> str:
+        return self._join("images", f"{shard}.tar")
+
+    def shard_parquet(self, shard: str) -> str:
+        return self._join("images", f"{shard}.parquet")
+
+    def shard_stats(self, shard: str) -> str:
+        return self._join("images", f"{shard}_stats.json")
+
+    # clip_embeddings: clip-retrieval's inference layout
+    @property
+    def embeddings_dir(self) -> str:
+        return self._join("embeddings")
+
+    def img_emb(self, shard: str) -> str:
+        return self._join("embeddings", "img_emb", f"img_emb_{shard}.npy")
+
+    def text_emb(self, shard: str) -> str:
+        return self._join("embeddings", "text_emb", f"text_emb_{shard}.npy")
+
+    def emb_metadata(self, shard: str) -> str:
+        return self._join("embeddings", "metadata", f"metadata_{shard}.parquet")
+
+    # reordered_embeddings: one npy per tar, row i = key index i (DALLE2 decoder loader)
+    @property
+    def reordered_img_dir(self) -> str:
+        return self._join("embeddings_reordered", "img")
+
+    @property
+    def reordered_text_dir(self) -> str:
+        return self._join("embeddings_reordered", "text")
+
+    def reordered_img(self, shard: str) -> str:
+        return self._join("embeddings_reordered", "img", f"img_emb_{shard}.npy")
+
+    def reordered_text(self, shard: str) -> str:
+        return self._join("embeddings_reordered", "text", f"text_emb_{shard}.npy")
+
+    # NeMo text2img: equal-size tars (reorganize_tar), wdinfo.pkl, precached encodings
+    @property
+    def balanced_dir(self) -> str:
+        return self._join("balanced")
+
+    def balanced_tar(self, index: int) -> str:
+        return self._join("balanced", f"{index:05d}.tar")
+
+    @property
+    def balanced_wdinfo(self) -> str:
+        return self._join("balanced", "wdinfo.pkl")
+
+    @property
+    def precached_dir(self) -> str:
+        return self._join("precached")
+
+    def precached_tar(self, index: int) -> str:
+        return self._join("precached", f"{index:05d}.tar")
+
+    @property
+    def precached_wdinfo(self) -> str:
+        return self._join("precached", "wdinfo.pkl")
+
+    # NeMo diffusion: {key}..pth / ..pickle / ..json samples per shard, indexed for Megatron-Energon
+    @property
+    def diffusion_dir(self) -> str:
+        return self._join("diffusion")
+
+    def diffusion_tar(self, shard: str) -> str:
+        return self._join("diffusion", f"{shard}.tar")
+
+    # previews and reports: for people, not read by any training tool
+    def contact_sheet(self, shard: str) -> str:
+        return self._join("previews", f"{shard}.png")
+
+    @property
+    def report_html(self) -> str:
+        return self._join("report", "index.html")

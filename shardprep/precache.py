@@ -1,0 +1,149 @@
+"""NeMo Stable-Diffusion precached encodings of one balanced tar (NeMo-Framework-Launcher's
+``precache_encodings`` stage with ``precache_sd.yaml``).
+
+Per input sample ``{key}`` (img2dataset members: an image and ``.txt``), the output tar holds
+``{key}.pickle`` = ``pickle.dumps({"autoencoderkl_image": float16 [2C, h, w], "clip-vit-large-patch14_text":
+float32 [80, d]})`` -- the two keys NeMo's ``build_train_valid_precached_datasets`` reads:
+
+* ``autoencoderkl_image``: the autoencoder's ``latent_dist.parameters`` (mean||logvar; ``[8, 64, 64]``
+  for SD's 4-channel VAE at 512), of the image prepared as NeMo does: RGB, Resize(resolution, bicubic)
+  -> CenterCrop -> ToTensor -> Normalize(0.5) ([-1, 1]);
+* ``clip-vit-large-patch14_text``: CLIP text ``last_hidden_state`` for 77 tokens zero-padded to 80
+  (``nemo_encoders.ClipTextEncoder``, as NeMo's ``FrozenCLIPEmbedder``).
+
+With ``keep_original`` the original image and ``.txt`` members are copied too (NeMo's
+``save_original_in_tar``; here the original bytes, not a re-encode). Members are named by the source
+key rather than NeMo's running index (readers only group by key), so samples stay traceable.
+
+NeMo's wdinfo reader assumes every tar holds exactly ``chunk_size`` samples, so this stage never drops
+one: a sample without an image or caption, or with an undecodable image, is an error naming the tar
+and key (balanced tars hold images img2dataset already decoded). Non-finite encodings are written
+(count preserved) and listed in the report.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import numpy as np
+
+from shardprep.embeddings import IMAGE_EXTS, iter_tar_samples
+from shardprep.image_shards import write_sample
+from shardprep.nemo_encoders import preprocess_image
+from shardprep.storage import atomic_write, url_to_fs
+
+if TYPE_CHECKING:
+    from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder
+
+IMAGE_KEY = "autoencoderkl_image"
+TEXT_KEY = "clip-vit-large-patch14_text"
+
+
+class PrecacheError(ValueError):
+    """A balanced tar cannot be precached without dropping a sample."""
+
+
+@dataclass
+class PrecacheReport:
+    input_url: str
+    output_url: str
+    samples: int = 0
+    image_shape: list[int] | None = None  # [2C, h, w]
+    text_shape: list[int] | None = None  # [80, d]
+    nonfinite_keys: list[str] = field(default_factory=list)  # written anyway (count must match)
+    tar_written: bool = False
+    tar_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _remove_if_exists(url: str) -> None:
+    fs, path = url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def _batches(items: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    batch: list[dict] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAutoencoder",
+                              clip_text: "ClipTextEncoder", keep_original: bool = False,
+                              resolution: int = 512, batch_size: int = 16) -> PrecacheReport:
+    """Precache every sample of ``balanced_tar_url`` into the tar ``out_url`` (written atomically)."""
+    import torch
+
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 8 or resolution % 8:
+        raise ValueError(f"precache resolution must be a positive multiple of 8, got {resolution!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    start = time.perf_counter()
+    report = PrecacheReport(input_url=balanced_tar_url, output_url=out_url)
+    fs, path = url_to_fs(balanced_tar_url)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"balanced tar {balanced_tar_url} does not exist")
+
+    def encode(batch: list[dict], tar: tarfile.TarFile) -> None:
+        images = []
+        for s in batch:
+            try:
+                images.append(preprocess_image(s[s["__ext__"]], resolution))
+            except Exception as e:
+                raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r}: image cannot be decoded "
+                                    f"({type(e).__name__}: {e}); precache would lose a sample") from e
+        params = vae.encode(torch.stack(images), output="parameters").to(torch.float16).numpy()
+        texts = clip_text.encode([s["__caption__"] for s in batch])  # float32 [B, 80, d]
+        for s, img, txt in zip(batch, params, texts):
+            img = np.ascontiguousarray(img)
+            txt = np.ascontiguousarray(txt)
+            if not (np.isfinite(img).all() and np.isfinite(txt).all()):
+                report.nonfinite_keys.append(s["__key__"])
+            members: dict[str, bytes | str] = {"pickle": pickle.dumps({IMAGE_KEY: img, TEXT_KEY: txt})}
+            if keep_original:
+                members[s["__ext__"]] = s[s["__ext__"]]
+                members["txt"] = s["txt"]
+            write_sample(tar, s["__key__"], members)
+            report.samples += 1
+            report.image_shape, report.text_shape = list(img.shape), list(txt.shape)
+
+    def checked(s: dict) -> dict:
+        ext = next((e for e in IMAGE_EXTS if e in s), None)
+        if ext is None or "txt" not in s:
+            what = "an image (" + "/".join(IMAGE_EXTS) + ")" if ext is None else "a .txt caption"
+            raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r} has no {what}; "
+                                "precache would lose a sample")
+        try:
+            s["__caption__"] = s["txt"].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r}: caption is not UTF-8 ({e})") from e
+        s["__ext__"] = ext
+        return s
+
+    # streamed batch by batch; an error mid-way leaves no output (atomic_write drops its temp file)
+    with ExitStack() as stack:
+        f = tar = None
+        for batch in _batches(map(checked, iter_tar_samples(balanced_tar_url)), batch_size):
+            if tar is None:  # opened at the first sample: never an empty tar
+                f = stack.enter_context(atomic_write(out_url))
+                tar = stack.enter_context(tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT))
+            encode(batch, tar)
+        if tar is None:
+            _remove_if_exists(out_url)
+            report.seconds = time.perf_counter() - start
+            return report
+        tar.close()  # end-of-archive blocks before atomic_write commits
+        report.tar_bytes = f.tell()
+    report.tar_written = True
+    report.seconds = time.perf_counter() - start
+    return report

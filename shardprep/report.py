@@ -1,0 +1,329 @@
+"""The dataset report: one self-contained HTML page (``<root>/report/index.html``) with what the shards
+hold: success rate per shard, failures by reason, original image sizes, caption lengths, CLIP
+embedding norms, and a summary table.
+
+Counts (samples, successes, failures by reason) are exact: they come from every shard's
+``_stats.json``. The distributions read at most ``rows_per_shard`` evenly spaced rows of each shard's
+parquet and embeddings, so a report over thousands of shards stays cheap; the page says how many rows
+each plot is drawn from.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from shardprep.layout import Layout
+from shardprep.ledger import load_ledger
+from shardprep.storage import atomic_write, is_local, url_to_fs
+
+ROWS_PER_SHARD = 2000
+PARQUET_COLUMNS = ("status", "original_width", "original_height", "caption")
+
+
+@dataclass
+class ShardFigures:
+    shard: str
+    processed: bool = False  # image_shards wrote its stats (the shard is complete)
+    count: int = 0
+    successes: int = 0
+    failed_to_download: int = 0
+    failed_to_resize: int = 0
+    seconds: float = 0.0
+    tar_bytes: int = 0
+    embeddings: int | None = None  # rows of img_emb (None: not embedded yet)
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / self.count if self.count else 0.0
+
+
+@dataclass
+class ReportData:
+    root: str
+    shards: list[ShardFigures]
+    failures_by_reason: Counter
+    original_widths: np.ndarray
+    original_heights: np.ndarray
+    caption_lengths: np.ndarray
+    embedding_norms: np.ndarray
+    embedding_dim: int | None = None
+    parquet_rows_read: int = 0
+    rows_per_shard: int = ROWS_PER_SHARD
+    problems: list[str] = field(default_factory=list)  # unreadable files, named
+
+    @property
+    def totals(self) -> dict:
+        done = [s for s in self.shards if s.processed]
+        count = sum(s.count for s in done)
+        successes = sum(s.successes for s in done)
+        seconds = sum(s.seconds for s in done)
+        return {
+            "shards": len(self.shards),
+            "shards_processed": len(done),
+            "shards_embedded": sum(1 for s in self.shards if s.embeddings is not None),
+            "samples": count,
+            "successes": successes,
+            "failed_to_download": sum(s.failed_to_download for s in done),
+            "failed_to_resize": sum(s.failed_to_resize for s in done),
+            "success_rate": round(successes / count, 4) if count else 0.0,
+            "embeddings": sum(s.embeddings or 0 for s in self.shards),
+            "embedding_dim": self.embedding_dim,
+            "tar_bytes": sum(s.tar_bytes for s in done),
+            "download_seconds": round(seconds, 3),
+            "images_per_second": round(count / seconds, 1) if seconds else 0.0,
+        }
+
+
+def _spaced(n: int, k: int) -> np.ndarray:
+    """At most ``k`` evenly spaced row indices of ``n`` (all of them when ``n <= k``)."""
+    return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).astype(np.int64))
+
+
+def _load_npy(url: str) -> np.ndarray:
+    fs, path = url_to_fs(url)
+    if is_local(url):
+        return np.load(path, mmap_mode="r")  # only the sampled rows are read from disk
+    with fs.open(path, "rb") as f:
+        return np.load(io.BytesIO(f.read()))
+
+
+def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int = ROWS_PER_SHARD) -> ReportData:
+    """Read what every shard has written so far. ``shards`` defaults to the ledger's; a shard whose
+    outputs are missing is counted as not processed, a shard whose files cannot be read is named in
+    ``problems`` (the report still comes out)."""
+    if shards is None:
+        ledger = load_ledger(layout)
+        shards = ledger.keys() if ledger is not None else []
+    figures, reasons, problems = [], Counter(), []
+    widths, heights, captions, norms = [], [], [], []
+    dim, rows_read = None, 0
+    for key in shards:
+        fig = ShardFigures(key)
+        figures.append(fig)
+        fs, stats_path = url_to_fs(layout.shard_stats(key))
+        if fs.exists(stats_path):
+            try:
+                with fs.open(stats_path, "rb") as f:
+                    stats = json.loads(f.read())
+                fig.processed = True
+                fig.count, fig.successes = int(stats["count"]), int(stats["successes"])
+                fig.failed_to_download = int(stats.get("failed_to_download", 0))
+                fig.failed_to_resize = int(stats.get("failed_to_resize", 0))
+                fig.seconds = float(stats.get("duration") or 0.0)
+                reasons.update({k: int(v) for k, v in stats.get("status_dict", {}).items() if k != "success"})
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                problems.append(f"shard {key}: {layout.shard_stats(key)}: {type(e).__name__}: {e}")
+                fig.processed = False
+        if fig.processed:
+            tar_fs, tar_path = url_to_fs(layout.tar(key))
+            fig.tar_bytes = tar_fs.size(tar_path) if tar_fs.exists(tar_path) else 0
+            try:
+                pq_fs, pq_path = url_to_fs(layout.shard_parquet(key))
+                with pq_fs.open(pq_path, "rb") as f:
+                    pf = pq.ParquetFile(f)
+                    cols = [c for c in PARQUET_COLUMNS if c in pf.schema_arrow.names]
+                    table = pf.read(columns=cols)
+                rows = table.take(_spaced(table.num_rows, rows_per_shard))
+                rows_read += rows.num_rows
+                ok = np.asarray(rows.column("status").to_pylist()) == "success"
+                if "original_width" in cols:
+                    widths.append(np.asarray(rows.column("original_width").to_pandas(), dtype=float)[ok])
+                    heights.append(np.asarray(rows.column("original_height").to_pandas(), dtype=float)[ok])
+                if "caption" in cols:
+                    captions.append(np.array([len(c) if c is not None else 0
+                                              for c in rows.column("caption").to_pylist()]))
+            except (OSError, ValueError, KeyError) as e:
+                problems.append(f"shard {key}: {layout.shard_parquet(key)}: {type(e).__name__}: {e}")
+        emb_fs, emb_path = url_to_fs(layout.img_emb(key))
+        if emb_fs.exists(emb_path):
+            try:
+                emb = _load_npy(layout.img_emb(key))
+                fig.embeddings, dim = int(emb.shape[0]), int(emb.shape[1])
+                sample = np.asarray(emb[_spaced(emb.shape[0], rows_per_shard)], dtype=np.float32)
+                norms.append(np.linalg.norm(sample, axis=1))
+            except (OSError, ValueError, IndexError) as e:
+                problems.append(f"shard {key}: {layout.img_emb(key)}: {type(e).__name__}: {e}")
+
+    def cat(parts: list) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    widths_a, heights_a = cat(widths), cat(heights)
+    keep = ~(np.isnan(widths_a) | np.isnan(heights_a)) if widths_a.size else np.zeros(0, dtype=bool)
+    return ReportData(layout.root, figures, reasons, widths_a[keep], heights_a[keep], cat(captions), cat(norms),
+                      dim, rows_read, rows_per_shard, problems)
+
+
+# -- plots: matplotlib's object API (no pyplot: no global state, safe in any thread) --------------------------
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(width: float = 7.0, height: float = 3.2):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    return fig, fig.add_subplot()
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_success_rate(data: ReportData) -> str:
+    fig, ax = _figure()
+    done = [s for s in data.shards if s.processed]
+    if done:
+        x = np.arange(len(done))
+        rates = [s.success_rate * 100 for s in done]
+        if len(done) <= 200:
+            ax.bar(x, rates, color="#4c72b0")
+        else:
+            ax.plot(x, rates, ".", markersize=2, color="#4c72b0")
+        step = max(1, len(done) // 20)
+        ax.set_xticks(x[::step], [s.shard for s in done][::step], rotation=60, fontsize=7)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("success rate (%)")
+        ax.set_xlabel("shard")
+    else:
+        _empty(ax, "processed shards")
+    ax.set_title("Success rate per shard")
+    return _png(fig)
+
+
+def plot_failures(data: ReportData, top: int = 15) -> str:
+    items = data.failures_by_reason.most_common(top)
+    fig, ax = _figure(height=max(2.0, 0.35 * len(items) + 1))
+    if items:
+        labels = [r if len(r) <= 60 else r[:57] + "..." for r, _ in items][::-1]
+        ax.barh(np.arange(len(items)), [n for _, n in items][::-1], color="#c44e52")
+        ax.set_yticks(np.arange(len(items)), labels, fontsize=7)
+        ax.set_xlabel("samples")
+    else:
+        _empty(ax, "failures")
+    more = len(data.failures_by_reason) - len(items)
+    ax.set_title("Failures by reason" + (f" (top {top}; {more} more reasons)" if more > 0 else ""))
+    return _png(fig)
+
+
+def _hist(values: np.ndarray, title: str, xlabel: str, what: str, bins: int = 40) -> str:
+    fig, ax = _figure()
+    if values.size:
+        ax.hist(values, bins=bins, color="#55a868")
+        ax.ticklabel_format(axis="x", useOffset=False)  # norms sit near 1: show 0.9999, not "+1"
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("samples")
+    else:
+        _empty(ax, what)
+    ax.set_title(f"{title} ({values.size} samples)")
+    return _png(fig)
+
+
+def plot_image_sizes(data: ReportData) -> str:
+    fig, ax = _figure()
+    w, h = data.original_widths, data.original_heights
+    if w.size:
+        hi = max(float(w.max()), float(h.max()), 1.0)
+        bins = np.linspace(0, hi, 41)
+        ax.hist(w, bins=bins, histtype="step", linewidth=1.5, label="width")
+        ax.hist(h, bins=bins, histtype="step", linewidth=1.5, label="height")
+        ax.legend()
+        ax.set_xlabel("pixels (original, before resize)")
+        ax.set_ylabel("images")
+    else:
+        _empty(ax, "downloaded images")
+    ax.set_title(f"Original image size ({w.size} images)")
+    return _png(fig)
+
+
+# -- the page ---------------------------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1100px}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+figure{display:inline-block;margin:0.5em;vertical-align:top}figcaption{font-size:0.85em;color:#555}
+.problems{color:#a00}
+"""
+
+
+def _row(cells: list, header: bool = False) -> str:
+    tag = "th" if header else "td"
+    return "<tr>" + "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in cells) + "</tr>"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return "-" if v is None else str(v)
+
+
+def render_html(data: ReportData, generated_at: float | None = None) -> str:
+    totals = data.totals
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(generated_at or time.time()))
+    plots = [
+        ("success_rate", "Success rate per shard", plot_success_rate(data)),
+        ("failures", "Failures by reason", plot_failures(data)),
+        ("image_sizes", "Original image width and height", plot_image_sizes(data)),
+        ("caption_lengths", "Caption length",
+         _hist(data.caption_lengths, "Caption length", "characters", "captions")),
+        ("embedding_norms", "CLIP image embedding L2 norm",
+         _hist(data.embedding_norms, "Image embedding norm", "L2 norm", "embeddings")),
+    ]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>shardprep dataset report: {html.escape(data.root)}</title>", f"<style>{_CSS}</style></head><body>",
+        "<h1>Dataset report</h1>",
+        f"<p>Output root <code>{html.escape(data.root)}</code>, generated {html.escape(stamp)}.</p>",
+        "<h2>Summary</h2>", '<table id="summary">', _row(["", "value"], header=True),
+        *[_row([k.replace("_", " "), f"{v:.2%}" if k == "success_rate" else _fmt(v)]) for k, v in totals.items()],
+        "</table>",
+        f"<p>Distributions are drawn from {data.parquet_rows_read:,} parquet rows "
+        f"(at most {data.rows_per_shard:,} evenly spaced rows per shard); counts are exact.</p>",
+    ]
+    if data.problems:
+        parts += ['<h2 class="problems">Unreadable files</h2><ul class="problems">',
+                  *[f"<li>{html.escape(p)}</li>" for p in data.problems], "</ul>"]
+    parts.append("<h2>Plots</h2>")
+    for pid, caption, png in plots:
+        parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{html.escape(caption)}">'
+                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    parts += ["<h2>Failures by reason</h2>", '<table id="failures">', _row(["reason", "samples"], header=True),
+              *[_row([r, _fmt(n)]) for r, n in data.failures_by_reason.most_common()], "</table>"]
+    parts += ["<h2>Shards</h2>", '<table id="shards">',
+              _row(["shard", "samples", "successes", "success rate", "failed to download", "failed to resize",
+                    "embeddings", "tar bytes"], header=True)]
+    for s in data.shards:
+        if s.processed:
+            parts.append(_row([s.shard, _fmt(s.count), _fmt(s.successes), f"{s.success_rate:.2%}",
+                               _fmt(s.failed_to_download), _fmt(s.failed_to_resize), _fmt(s.embeddings),
+                               _fmt(s.tar_bytes)]))
+        else:
+            parts.append(_row([s.shard, "not processed", "", "", "", "", _fmt(s.embeddings), ""]))
+    parts += ["</table>", "</body></html>"]
+    return "\n".join(parts)
+
+
+def write_report(layout: Layout, shards: list[str] | None = None,
+                 rows_per_shard: int = ROWS_PER_SHARD) -> ReportData:
+    """Collect every shard's figures and write ``layout.report_html`` (atomically); returns the data."""
+    data = collect(layout, shards, rows_per_shard)
+    page = render_html(data)
+    with atomic_write(layout.report_html) as f:
+        f.write(page.encode("utf-8"))
+    return data

@@ -1,0 +1,102 @@
+"""Source parquet files: listing any fsspec URL or glob, checking them cheaply, reading a shard's rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardprep.config import DatasetConfig
+from shardprep.storage import url_to_fs
+
+
+class SourceError(ValueError):
+    """A source file is unreachable, not parquet, or lacks a configured column."""
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    url: str
+    rows: int
+    fingerprint: str
+    columns: tuple[str, ...]
+
+
+def list_source_files(source: str) -> list[str]:
+    """Every parquet file the source names, as full URLs, sorted (a stable shard order)."""
+    try:
+        fs, path = url_to_fs(source)
+    except Exception as e:  # bad protocol, missing driver, bad credentials
+        raise SourceError(f"source {source!r}: cannot open: {e}") from e
+    try:
+        if any(ch in path for ch in "*?["):
+            paths = fs.glob(path)
+        elif fs.isdir(path):
+            paths = fs.glob(path.rstrip("/") + "/**/*.parquet") or fs.glob(path.rstrip("/") + "/*.parquet")
+        elif fs.exists(path):
+            paths = [path]
+        else:
+            raise SourceError(f"source {source!r}: no such file or folder")
+    except SourceError:
+        raise
+    except Exception as e:  # network errors, permission errors
+        raise SourceError(f"source {source!r}: cannot list: {e}") from e
+    return sorted({fs.unstrip_protocol(p) for p in paths if not fs.isdir(p)})
+
+
+def fingerprint(info: dict) -> str:
+    # what changes when the object is rewritten, whatever the backend calls it
+    for k in ("ETag", "etag", "last_commit", "mtime", "LastModified", "created"):
+        v = info.get(k)
+        if v is not None:
+            return f"{info.get('size')}:{getattr(v, 'oid', v)}"
+    return str(info.get("size"))
+
+
+def required_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
+    cols = [("url_col", cfg.url_col)]
+    if cfg.caption_col:
+        cols.append(("caption_col", cfg.caption_col))
+    cols += [("save_additional_columns", c) for c in cfg.save_additional_columns]
+    return cols
+
+
+def inspect_source(url: str, cfg: DatasetConfig) -> SourceInfo:
+    """Read only the parquet footer: row count and schema, checked against the config's columns."""
+    fs, path = url_to_fs(url)
+    try:
+        info = fs.info(path)
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+    except FileNotFoundError:
+        raise SourceError(f"source file {url}: not found") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SourceError(f"source file {url}: not a readable parquet file ({e})") from None
+    columns = tuple(schema.names)
+    for field_name, col in required_columns(cfg):
+        if col not in columns:
+            raise SourceError(
+                f"source file {url}: column {col!r} (config field '{field_name}') is missing; "
+                f"columns are {list(columns)}"
+            )
+    return SourceInfo(url=url, rows=meta.num_rows, fingerprint=fingerprint(info), columns=columns)
+
+
+def read_rows(url: str, start: int, stop: int) -> pa.Table:
+    """Rows [start, stop) of a parquet file, reading only the row groups that hold them."""
+    fs, path = url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        groups, offset, first = [], 0, None
+        for i in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(i).num_rows
+            if offset + n > start and offset < stop:
+                groups.append(i)
+                first = offset if first is None else first
+            offset += n
+        if not groups:
+            return pf.schema_arrow.empty_table()
+        table = pf.read_row_groups(groups)
+    return table.slice(start - first, stop - start)

@@ -1,0 +1,180 @@
+"""The new_source_files sensor against a real local source folder and a real (test) Dagster instance.
+
+The daemon applies a tick's partition adds before the next tick; ``tick`` does the same here.
+"""
+
+import importlib
+import json
+import os
+import sys
+import time
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import CHECKOUT, write_config
+from shardprep import synthetic
+from shardprep.layout import Layout
+from shardprep.ledger import load_ledger
+
+sys.path.insert(0, str(CHECKOUT))
+from assets import source_parquet  # noqa: E402
+from resources import DatasetResource  # noqa: E402
+from sensors import new_source_files  # noqa: E402
+
+BASE_URL = "http://127.0.0.1:9"  # never fetched: the sensor reads only parquet footers
+
+
+@pytest.fixture
+def source(tmp_path):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=2, rows_per_file=[25, 15], seed=1)  # 3 + 2 shards
+    config = write_config(tmp_path / "shardprep.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=10)
+    return src, config
+
+
+@pytest.fixture
+def instance(tmp_path):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    with dg.instance_for_test(temp_dir=str(home)) as inst:
+        yield inst
+
+
+def tick(instance, config, cursor=None, apply=True) -> dg.SensorResult:
+    """One sensor evaluation; applies its partition adds to the instance, as the daemon does."""
+    with dg.build_sensor_context(instance=instance, cursor=cursor,
+                                 resources={"dataset": DatasetResource(config_path=config)}) as ctx:
+        result = new_source_files(ctx)
+    assert isinstance(result, dg.SensorResult)
+    if apply:
+        for req in result.dynamic_partitions_requests or []:
+            instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    return result
+
+
+def added(result: dg.SensorResult) -> list[str]:
+    return [k for req in result.dynamic_partitions_requests or [] for k in req.partition_keys]
+
+
+def requested(result: dg.SensorResult) -> list[tuple[str, str]]:
+    return [(r.run_key, r.partition_key) for r in result.run_requests or []]
+
+
+def write_table(path, columns: dict) -> None:
+    pq.write_table(pa.table(columns), str(path))
+
+
+def test_new_files_become_partitions_and_runs_once(source, instance):
+    src, config = source
+    first = tick(instance, config)
+    shards = ["00000", "00001", "00002", "00003", "00004"]
+    assert added(first) == shards
+    assert first.dynamic_partitions_requests[0].partitions_def_name == "shards"
+    assert requested(first) == [(k, k) for k in shards]  # run_key = shard: a replayed tick launches nothing twice
+    assert instance.get_dynamic_partitions("shards") == shards
+    ledger = load_ledger(Layout(str(src.parent / "out")))
+    assert [(s.key, os.path.basename(s.source), s.row_start, s.row_stop) for s in ledger.shards()] == [
+        ("00000", "part-00000.parquet", 0, 10), ("00001", "part-00000.parquet", 10, 20),
+        ("00002", "part-00000.parquet", 20, 25), ("00003", "part-00001.parquet", 0, 10),
+        ("00004", "part-00001.parquet", 10, 15)]
+
+    second = tick(instance, config, cursor=first.cursor)
+    assert added(second) == [] and requested(second) == []
+    assert second.skip_reason is not None and "no new shards" in second.skip_reason.skip_message
+
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[12], seed=2, prefix="zz-new")
+    third = tick(instance, config, cursor=second.cursor)
+    assert added(third) == ["00005", "00006"]  # only the new file's shards, ids continuing
+    assert requested(third) == [("00005", "00005"), ("00006", "00006")]
+    assert instance.get_dynamic_partitions("shards") == shards + ["00005", "00006"]
+
+
+def test_sensor_targets_source_parquet_in_the_code_location():
+    from definitions import defs
+
+    job = defs.resolve_job_def(defs.resolve_sensor_def("new_source_files").job_name)
+    assert job.asset_layer.selected_asset_keys == {source_parquet.key}  # the rest follows by automation
+
+
+def test_bad_file_is_reported_once_and_does_not_block_a_good_one(source, instance, capfd):
+    src, config = source
+    first = tick(instance, config)
+    capfd.readouterr()
+    # a file without the url column (sorted first, so it is met before the good one) and a good new file
+    write_table(src / "a-bad.parquet", {"caption": ["x", "y"], "source_id": [1, 2]})
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[8], seed=3, prefix="b-good")
+    result = tick(instance, config, cursor=first.cursor)
+    assert added(result) == ["00005"] and requested(result) == [("00005", "00005")]
+    err = capfd.readouterr().err
+    assert "a-bad.parquet" in err and "'url'" in err and "missing" in err
+    cursor = json.loads(result.cursor)
+    bad_url = f"file://{src / 'a-bad.parquet'}"  # sources are listed as full URLs
+    assert list(cursor["bad"]) == [bad_url] and "'url'" in cursor["bad"][bad_url]
+
+    # the same problem is not logged again on every tick; the skip reason still names it
+    again = tick(instance, config, cursor=result.cursor)
+    assert added(again) == [] and "a-bad.parquet" not in capfd.readouterr().err
+
+    # fixed: the file is registered and the cursor forgets it
+    write_table(src / "a-bad.parquet", {"url": [f"{BASE_URL}/a.jpg"], "caption": ["x"]})
+    fixed = tick(instance, config, cursor=again.cursor)
+    assert added(fixed) == ["00006"]
+    assert json.loads(fixed.cursor)["bad"] == {}
+    assert load_ledger(Layout(str(src.parent / "out"))).shard("00006").source == bad_url
+
+
+def test_only_bad_files_give_a_skip_reason_naming_them(source, instance):
+    src, config = source
+    for f in src.iterdir():
+        f.unlink()
+    write_table(src / "only.parquet", {"link": ["u"], "caption": ["c"]})
+    result = tick(instance, config)
+    assert added(result) == [] and requested(result) == []
+    msg = result.skip_reason.skip_message
+    assert "only.parquet" in msg and "'url'" in msg and "1 source file problem" in msg
+
+
+def test_rewritten_source_is_reported_not_resharded(source, instance, capfd):
+    src, config = source
+    first = tick(instance, config)
+    ledger_before = load_ledger(Layout(str(src.parent / "out"))).to_json()
+    capfd.readouterr()
+    time.sleep(0.01)  # a new mtime even on coarse clocks
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[40], seed=7)  # rewrites part-00000
+    result = tick(instance, config, cursor=first.cursor)
+    assert added(result) == [] and requested(result) == []
+    rewritten = f"file://{src / 'part-00000.parquet'}"
+    assert f"source file {rewritten} changed after its shards were assigned (not re-sharded)" \
+        in result.skip_reason.skip_message
+    assert "changed after its shards were assigned" in capfd.readouterr().err
+    assert load_ledger(Layout(str(src.parent / "out"))).to_json() == ledger_before  # shard rows unchanged
+    assert json.loads(result.cursor)["changed"] == [rewritten]
+    again = tick(instance, config, cursor=result.cursor)
+    assert again.skip_reason.skip_message == "no new shards"  # reported once, not on every tick
+
+
+def test_unreachable_source_is_a_skip_reason(tmp_path, instance):
+    config = write_config(tmp_path / "c.yaml", source=str(tmp_path / "nowhere"), output_root=str(tmp_path / "out"))
+    with dg.build_sensor_context(instance=instance,
+                                 resources={"dataset": DatasetResource(config_path=config)}) as ctx:
+        result = new_source_files(ctx)
+    assert isinstance(result, dg.SkipReason) and "nowhere" in result.skip_message and "no such" in result.skip_message
+
+
+def test_partition_adds_per_tick_are_capped(source, instance, monkeypatch):
+    module = importlib.import_module("sensors.new_source_files")
+    assert module.MAX_PARTITION_ADDS_PER_TICK == 25_000  # Dagster's per-evaluation limit
+    monkeypatch.setattr(module, "MAX_PARTITION_ADDS_PER_TICK", 2)
+    src, config = source
+    cursor, batches = None, []
+    for _ in range(4):
+        result = tick(instance, config, cursor=cursor)
+        batches.append(added(result))
+        assert requested(result) == [(k, k) for k in added(result)]
+        cursor = result.cursor
+    assert batches == [["00000", "00001"], ["00002", "00003"], ["00004"], []]
+    assert instance.get_dynamic_partitions("shards") == ["00000", "00001", "00002", "00003", "00004"]
