@@ -13,6 +13,7 @@ import importlib.util
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -90,10 +91,10 @@ def data(request):
 
 def _loader(create, data, num_workers, batch_size, **kw):
     """A decoder dataloader from ``create`` (ours or DALLE2's) over ``data``, with the shared test settings."""
-    # Workers are forked: they would inherit, and finalize themselves, earlier loaders' iterators that
-    # tests leave in reference cycles (pytest.raises). On CPython 3.11.7 that broke a worker's first
-    # np.load now and then ("AST constructor recursion depth mismatch", gh-106905, fixed in 3.11.8),
-    # which DALLE2's loader under ignore_and_continue turns into a silently dropped shard.
+    # DALLE2's forked workers inherit, and finalize themselves, earlier loaders' iterators that tests
+    # leave in reference cycles (pytest.raises); ours freeze them out (start_worker). On CPython 3.11.7
+    # that broke a worker's first np.load now and then ("AST constructor recursion depth mismatch",
+    # gh-106905), which DALLE2's loader under ignore_and_continue turns into a silently dropped shard.
     if num_workers > 0:
         gc.collect()
     args = dict(
@@ -192,6 +193,40 @@ def test_num_workers_zero(data10, dalle2_decoder):
     assert keys_of(ours(data10, num_workers=0)) == data10.keys
     with pytest.raises(ValueError, match="prefetch_factor"):
         theirs(dalle2_decoder, data10, num_workers=0)
+
+
+class _Garbage:
+    """A reference cycle, so only the garbage collector frees it; its finalizer logs the process it ran in."""
+
+    def __init__(self, log: Path):
+        self.log, self.me = log, self
+
+    def __del__(self):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_workers_leave_the_parents_garbage_alone(data10, tmp_path):
+    """A forked worker must not finalize what its parent left for the collector (see ``start_worker``)."""
+    log = tmp_path / "finalized"
+
+    def collect_then_tensor(img):
+        gc.collect()  # runs in the worker: a collection there, as allocations would trigger one
+        return TO_TENSOR(img)
+
+    gc.disable()  # keep the garbage uncollected here until the worker has forked
+    try:
+        _Garbage(log)
+        loader = create_image_embedding_dataloader(
+            data10.tar_pattern, 1, 4, img_embeddings_url=data10.layout.reordered_img_dir,
+            text_embeddings_url=data10.layout.reordered_text_dir, index_width=data10.index_width,
+            shuffle_shards=False, img_preproc=collect_then_tensor, extra_keys=EXTRA)
+        got = keys_of(loader)
+    finally:
+        gc.enable()
+    gc.collect()
+    assert got == data10.keys
+    assert log.read_text().split() == [str(os.getpid())]  # finalized once, here
 
 
 def test_ranks_split_shards(data10):

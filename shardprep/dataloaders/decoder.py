@@ -22,6 +22,7 @@ For shardprep's keys (5 shard digits + ``oom_sample`` index digits) ``shard_widt
 ``emb = {'img': ...}`` (the current API), not the README's bare tensor.
 """
 
+import gc
 import random
 
 import braceexpand
@@ -331,6 +332,19 @@ def keep_freed_memory(worker_id: int = 0) -> None:
     mallopt(_M_TRIM_THRESHOLD, 256 << 20)
 
 
+def start_worker(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn`` of our loaders: ``keep_freed_memory``, and the objects the worker
+    inherited from its parent are frozen out of its garbage collector.
+
+    A forked worker would otherwise collect, and finalize, the parent's not-yet-collected garbage: e.g.
+    an earlier loader's iterator in a reference cycle, whose ``__del__`` then shuts down the parent's
+    old workers from the child. On CPython 3.11.7 such a finalizer run was seen to break the worker's
+    next ``np.load`` (gh-106905, "AST constructor recursion depth mismatch"). Frozen, the parent's
+    objects are also left out of the worker's collections (fewer copy-on-write page touches)."""
+    gc.freeze()
+    keep_freed_memory(worker_id)
+
+
 def create_image_embedding_dataloader(
     tar_url,
     num_workers,
@@ -357,7 +371,7 @@ def create_image_embedding_dataloader(
 
     ``embeddings_url`` is the README's name for ``img_embeddings_url``; ``prefetch_factor`` is
     passed only when ``num_workers > 0``; ``pin_memory`` defaults to "CUDA is available". Workers
-    start with ``keep_freed_memory``.
+    start with ``start_worker``.
     """
     _check_folder_url("text_embeddings_url", text_embeddings_url)
     dataset = ImageEmbeddingDataset(
@@ -376,7 +390,7 @@ def create_image_embedding_dataloader(
         world_size=world_size,
         seed=seed,
     )
-    loader_args = dict(prefetch_factor=prefetch_factor, worker_init_fn=keep_freed_memory) if num_workers > 0 else {}
+    loader_args = dict(prefetch_factor=prefetch_factor, worker_init_fn=start_worker) if num_workers > 0 else {}
     return DataLoader(
         dataset,
         num_workers=num_workers,

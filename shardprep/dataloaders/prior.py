@@ -17,6 +17,7 @@ from embedding_reader import EmbeddingReader
 from torch import from_numpy
 from torch.utils.data import DataLoader, IterableDataset
 
+from .decoder import start_worker
 from .distributed import contiguous_slice, worker_info
 
 
@@ -145,7 +146,7 @@ def make_splits(
             image_reader=image_reader,
             text_reader=text_reader,
         )
-        loaders.append(DataLoader(dataset, batch_size=None, num_workers=num_workers))
+        loaders.append(DataLoader(dataset, batch_size=None, num_workers=num_workers, worker_init_fn=start_worker))
     return tuple(loaders)
 
 
