@@ -31,6 +31,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import shardprep.dataloaders.prior as prior
+from shardprep.dataloaders.decoder import start_worker
 from dataloader_fixtures import build_loader_dataset
 from shardprep.dataloaders import (
     ImageEmbeddingDataset,
@@ -507,7 +508,9 @@ def test_small_split_over_many_ranks(data10, dalle2_prior):
 def test_prior_workers_do_not_duplicate(data10, dalle2_prior, text_conditioned):
     image_reader, text_reader = _readers(prior, data10, text_conditioned)
     single = list(make_splits(text_conditioned, 4, 1000, 0.6, 0.2, image_reader, text_reader)[0])
-    multi = list(make_splits(text_conditioned, 4, 1000, 0.6, 0.2, image_reader, text_reader, num_workers=2)[0])
+    splits = make_splits(text_conditioned, 4, 1000, 0.6, 0.2, image_reader, text_reader, num_workers=2)
+    assert all(loader.worker_init_fn is start_worker for loader in splits)  # the parent's garbage left alone
+    multi = list(splits[0])
     assert sorted(_rows(data10, multi, text_conditioned)) == list(range(12))
     by_first_row = lambda batches: sorted(batches, key=lambda b: b[0][0].tolist())  # noqa: E731
     assert_same_batches(by_first_row(single), by_first_row(multi))  # same batches, worker order aside
