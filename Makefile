@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) demo/run_demo.py
+	$(PY) -m demo.run_demo
 
 test: setup
 	$(PY) -m pytest -q
@@ -42,8 +42,8 @@ bench: setup
 
 ui: setup
 	@test -f demo/work/shardprep.yaml || { echo "run 'make demo' first"; exit 1; }
-	$(PY) orchestration/instance.py >/dev/null
-	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(PY) demo/run_demo.py --serve-only & \
+	$(PY) -m orchestration.instance >/dev/null
+	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(PY) -m demo.run_demo --serve-only & \
 	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $${PORT:-3000}
 
 clean:

@@ -1,54 +1,62 @@
-"""The shardprep Dagster code location (loaded from the checkout by workspace.yaml)."""
-
-import os
-import sys
-from pathlib import Path
+"""The shardprep Dagster code location, loaded by module name (``workspace.yaml``, Celery workers)."""
 
 import dagster as dg
 
-sys.path.insert(0, str(Path(__file__).parent))  # assets/, resources/, sensors/ live beside this file
-
-from assets import global_assets, per_shard_assets  # noqa: E402
-from resources import ClipResource, DatasetResource, NemoEncoders  # noqa: E402
-from sensors import new_source_files  # noqa: E402
-
-DEFAULT_CONFIG = str(Path(__file__).parent / "demo" / "work" / "shardprep.yaml")
-CONFIG_PATH = os.environ.get("SHARDPREP_CONFIG", DEFAULT_CONFIG)
-# Declarative automation carries each new shard through every per-shard asset. It runs by default;
-# SHARDPREP_AUTOMATION=off starts it stopped (it can also be toggled in the UI: Automation tab).
-AUTOMATION_ON = os.environ.get("SHARDPREP_AUTOMATION", "on").lower() not in ("off", "0", "false")
-
-shards_job = dg.define_asset_job(
-    "shards_job",
-    selection=dg.AssetSelection.assets(*per_shard_assets),
-    description="Every per-shard asset for one shard (or a range of shards).",
-)
-
-global_job = dg.define_asset_job(
-    "global_job",
-    selection=dg.AssetSelection.assets(*global_assets),
-    description="The unpartitioned, incrementally updated outputs: balanced tars, wdinfo, precache, indexes.",
-)
-
-automation = dg.AutomationConditionSensorDefinition(
-    "shardprep_automation",
-    target=dg.AssetSelection.all(),
-    default_status=dg.DefaultSensorStatus.RUNNING if AUTOMATION_ON else dg.DefaultSensorStatus.STOPPED,
-    minimum_interval_seconds=int(os.environ.get("SHARDPREP_AUTOMATION_INTERVAL", "15")),  # tests set it low
-)
+from assets import DOWNLOAD_BATCHED, GPU_BATCHED, NEMO_DIFFUSION, NEMO_TEXT2IMG, global_assets, per_shard_assets
+from resources import ClipResource, DatasetResource, NemoEncoders
+from resources.dataset import load_dataset
+from resources.settings import Settings, load_settings
+from sensors import new_source_files_sensor
+from shardprep.storage import exists
 
 
-def build_defs(config_path: str) -> dg.Definitions:
+def _batched(assets: list[dg.AssetsDefinition], settings: Settings) -> list[dg.AssetsDefinition]:
+    """Backfills take several shards per run, so each run loads its models once, not once per shard."""
+    per_run = {**{a.key: settings.gpu_shards_per_run for a in GPU_BATCHED},
+               **{a.key: settings.download_shards_per_run for a in DOWNLOAD_BATCHED}}
+    return [a.with_attributes(backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=per_run[a.key]))
+            if a.key in per_run else a for a in assets]
+
+
+def _enabled(assets: list[dg.AssetsDefinition], config_path: str) -> list[dg.AssetsDefinition]:
+    """The assets the config turns on, each with its version as code version (``shardprep.versions``:
+    a config change that alters an asset's output makes it stale). A disabled asset is not in the graph
+    at all, so it can never claim to be materialized. Without a config file yet (a fresh checkout: the
+    demo writes one) every asset is kept, unversioned, so the UI still shows the graph."""
+    if not exists(config_path):
+        return assets
+    cfg, versions = load_dataset(config_path)
+    off = {*(NEMO_TEXT2IMG if not cfg.enable_nemo_text2img else []),
+           *(NEMO_DIFFUSION if not cfg.enable_nemo_diffusion else [])}
+    return [a.map_asset_specs(lambda spec: spec.replace_attributes(code_version=versions[spec.key.path[-1]]))
+            for a in assets if a not in off]
+
+
+def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definitions:
     """The code location for one dataset config (the CLI and tests build it for their own config)."""
+    settings = settings or load_settings()
     dataset = DatasetResource(config_path=config_path)
+    per_shard, global_ = _enabled(per_shard_assets, config_path), _enabled(global_assets, config_path)
+    shards_job = dg.define_asset_job("shards_job", selection=dg.AssetSelection.assets(*per_shard),
+                                     description="Every per-shard asset for one shard (or a range of shards).")
+    global_job = dg.define_asset_job("global_job", selection=dg.AssetSelection.assets(*global_),
+                                     description="The unpartitioned, incrementally updated outputs: balanced "
+                                     "tars, wdinfo, precache, indexes.")
+    automation = dg.AutomationConditionSensorDefinition(
+        "shardprep_automation",
+        target=dg.AssetSelection.all(),
+        default_status=dg.DefaultSensorStatus.RUNNING if settings.automation else dg.DefaultSensorStatus.STOPPED,
+        minimum_interval_seconds=settings.automation_interval,
+    )
     return dg.Definitions(
-        assets=[*per_shard_assets, *global_assets],
+        assets=_batched([*per_shard, *global_], settings),
         jobs=[shards_job, global_job],
-        sensors=[new_source_files, automation],
+        sensors=[new_source_files_sensor(settings.sensor_interval), automation],
         resources={"dataset": dataset, "clip": ClipResource(dataset=dataset), "nemo": NemoEncoders(dataset=dataset)},
         # one process per run, not per step: a run loads each model once and skips ~15 s of imports per step
         executor=dg.in_process_executor,
     )
 
 
-defs = build_defs(CONFIG_PATH)
+_settings = load_settings()
+defs = build_defs(_settings.config, _settings)

@@ -16,9 +16,15 @@ from assets.report import dataset_report
 from assets.source import source_parquet
 
 per_shard_assets = [source_parquet, image_shards, clip_embeddings, reordered_embeddings, diffusion_samples]
+# backfill runs take several shards each (counts: resources/settings.py), per kind of step
+GPU_BATCHED = [clip_embeddings, reordered_embeddings, diffusion_samples]
+DOWNLOAD_BATCHED = [source_parquet, image_shards]
+# turned off by the config's enable_nemo_text2img / enable_nemo_diffusion
+NEMO_TEXT2IMG = [balanced_shards, wdinfo, precached_encodings]
+NEMO_DIFFUSION = [diffusion_samples, diffusion_energon_index]
 global_assets = [balanced_shards, wdinfo, precached_encodings, image_energon_index, diffusion_energon_index,
                  dataset_report]
 
-__all__ = ["balanced_shards", "clip_embeddings", "dataset_report", "diffusion_energon_index", "diffusion_samples", "global_assets",
+__all__ = ["DOWNLOAD_BATCHED", "GPU_BATCHED", "NEMO_DIFFUSION", "NEMO_TEXT2IMG", "balanced_shards", "clip_embeddings", "dataset_report", "diffusion_energon_index", "diffusion_samples", "global_assets",
            "image_energon_index", "image_shards", "per_shard_assets", "precached_encodings", "reordered_embeddings",
            "shard_partitions", "source_parquet", "wdinfo"]

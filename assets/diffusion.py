@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import GPU_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, materialize_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.diffusion import write_diffusion_samples
@@ -18,7 +18,6 @@ from shardprep.storage import exists
     kinds={"webdataset", "pytorch"},
     pool="gpu",
     automation_condition=SHARD_AUTOMATION,
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
 )
 def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,
                       nemo: NemoEncoders) -> dg.MaterializeResult:
@@ -27,11 +26,7 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
     NaN/Inf latents are recorded failures; a shard with no sample gets no tar."""
     cfg, layout = dataset.config, dataset.layout
 
-    def one(key: str) -> dict:
-        if not cfg.enable_nemo_diffusion:
-            return {"status": "disabled (enable_nemo_diffusion: false)"}
-        if exists(layout.diffusion_tar(key)) and not config.rebuild:
-            return {"status": "cached"}
+    def encode(key: str) -> dict:
         if not exists(layout.tar(key)):
             return {"status": "no samples (shard has no tar)", "samples": 0}
         r = write_diffusion_samples(key, layout, nemo.t5(), nemo.diffusion_autoencoder(),
@@ -43,4 +38,4 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
                 "failures_by_reason": dg.MetadataValue.json(reasons), "latent_shape": str(r.latent_shape),
                 "text_dim": r.text_dim or 0, "bytes": r.tar_bytes, "seconds": round(r.seconds, 3)}
 
-    return materialize_shards(context, one)
+    return materialize_shards(context, dataset, "diffusion_samples", encode, rebuild=config.rebuild)

@@ -6,11 +6,11 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import GPU_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, materialize_shards, shard_check
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, materialize_shards, shard_check
 from resources.clip import ClipResource
 from resources.dataset import DatasetResource
-from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep import encoders
+from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep.embeddings import write_clip_embeddings
 from shardprep.ledger import load_ledger
 from shardprep.reorder import reorder_embeddings
@@ -26,7 +26,6 @@ from shardprep.storage import exists
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("rows_match_samples", "clip_embeddings",
                              "One finite embedding row per tar sample, aligned with the metadata.")],
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
 )
 def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,
                     clip: ClipResource) -> dg.MaterializeResult:
@@ -35,9 +34,7 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     cfg, layout = dataset.config, dataset.layout
     enable_text = cfg.enable_text and cfg.caption_col is not None
 
-    def one(key: str) -> dict:
-        if exists(layout.emb_metadata(key)) and not config.rebuild:
-            return {"status": "cached", "model": clip.spec}
+    def embed(key: str) -> dict:
         if not exists(layout.tar(key)):
             return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
         report = write_clip_embeddings(key, layout, clip.encoder(), batch_size=clip.effective_batch_size,
@@ -47,8 +44,9 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
                 "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
                 "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
 
-    result = materialize_shards(context, one, ("rows_match_samples",
-                                               lambda key: check_clip_embeddings(layout, key, enable_text)))
+    result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
+                                describe=lambda key: {"model": clip.spec},
+                                check=("rows_match_samples", lambda key: check_clip_embeddings(layout, key, enable_text)))
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard
     return result._replace(metadata={**result.metadata, "model_loads_in_process": encoders.LOAD_COUNT,
                                      "pid": os.getpid()})
@@ -62,7 +60,6 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("rows_line_up_with_keys", "reordered_embeddings",
                              "Row i is the embedding of the sample whose key ends in i; zeros elsewhere.")],
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=GPU_SHARDS_PER_RUN),
 )
 def reordered_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig,
                          dataset: DatasetResource) -> dg.MaterializeResult:
@@ -71,9 +68,7 @@ def reordered_embeddings(context: dg.AssetExecutionContext, config: ShardRunConf
     cfg, layout = dataset.config, dataset.layout
     ledger = load_ledger(layout)
 
-    def one(key: str) -> dict:
-        if exists(layout.reordered_img(key)) and not config.rebuild:
-            return {"status": "cached"}
+    def reorder(key: str) -> dict:
         if not exists(layout.img_emb(key)):
             return {"status": "no samples (shard has no embeddings)", "rows": 0}
         rows = ledger.shard(key).rows
@@ -82,5 +77,6 @@ def reordered_embeddings(context: dg.AssetExecutionContext, config: ShardRunConf
                 "zero_rows": rows - report.samples, "index_width": cfg.oom_sample,
                 "path": dg.MetadataValue.path(layout.reordered_img(key))}
 
-    return materialize_shards(context, one, ("rows_line_up_with_keys", lambda key: check_reordered_embeddings(
-        layout, key, ledger.shard(key).rows, cfg.oom_sample)))
+    return materialize_shards(context, dataset, "reordered_embeddings", reorder, rebuild=config.rebuild,
+                              check=("rows_line_up_with_keys", lambda key: check_reordered_embeddings(
+                                  layout, key, ledger.shard(key).rows, cfg.oom_sample)))

@@ -6,7 +6,7 @@ from assets.diffusion import diffusion_samples
 from assets.images import image_shards
 from assets.nemo import GLOBAL_AUTOMATION
 from resources.dataset import DatasetResource
-from shardprep.energon_index import find_tars, update_energon_index
+from shardprep.energon import find_tars, update_energon_index
 from shardprep.storage import exists
 
 
@@ -65,7 +65,7 @@ def diffusion_energon_index(context: dg.AssetExecutionContext, dataset: DatasetR
     """``<root>/diffusion/.nv-meta/``: a ``CrudeWebdataset`` energon dataset over the diffusion sample tars,
     for NeMo's ``DiffusionDataModule`` (a val split whenever the ratio asks for one)."""
     cfg, layout = dataset.config, dataset.layout
-    if not cfg.enable_nemo_diffusion or not exists(layout.diffusion_dir) or not find_tars(layout.diffusion_dir):
+    if not exists(layout.diffusion_dir) or not find_tars(layout.diffusion_dir):
         return dg.MaterializeResult(metadata={"status": "no diffusion tars yet"},
                                     check_results=[_covers_every_tar(layout.diffusion_dir, None)])
     report = update_energon_index(layout.diffusion_dir, sample_type="crude", split_ratio=cfg.energon_split_ratio)

@@ -3,18 +3,22 @@
 import json
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from assets.partitions import shard_partitions
-from assets.shard_runs import (DOWNLOAD_SHARDS_PER_RUN, SHARD_AUTOMATION, ShardRunConfig, failures_table,
-                               materialize_shards, shard_check)
+from assets.shard_runs import (
+    SHARD_AUTOMATION,
+    ShardRunConfig,
+    failures_table,
+    materialize_shards,
+    shard_check,
+)
 from assets.source import source_parquet
 from resources.dataset import DatasetResource
 from shardprep.checks import check_image_shard
 from shardprep.contact_sheet import contact_sheet, inline_image
 from shardprep.image_shards import write_image_shard
 from shardprep.layout import Layout
-from shardprep.storage import atomic_write, exists, read_bytes, url_to_fs
+from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
 
 
 def _stats_metadata(stats: dict, tar_url: str, tar_bytes: int) -> dict:
@@ -64,7 +68,6 @@ def _contact_sheet_metadata(layout: Layout, key: str, rebuild: bool) -> dict:
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("tar_matches_parquet", "image_shards",
                              "The tar holds exactly the samples the parquet marks as success.")],
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=DOWNLOAD_SHARDS_PER_RUN),
 )
 def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
                  dataset: DatasetResource) -> dg.MaterializeResult:
@@ -72,15 +75,15 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
     webdataset layout. Bad URLs and images are recorded failures; a shard with no success gets no tar."""
     cfg, layout = dataset.config, dataset.layout
 
-    def one(key: str) -> dict:
-        tar = layout.tar(key)
-        if exists(layout.shard_stats(key)) and not config.rebuild:
-            stats = json.loads(read_bytes(layout.shard_stats(key)))
-            fs, path = url_to_fs(tar)
-            tar_bytes = fs.size(path) if fs.exists(path) else 0
-            sheet = _contact_sheet_metadata(layout, key, rebuild=False) if tar_bytes else {}
-            return {**_stats_metadata(stats, tar, tar_bytes), **sheet, "status": "cached"}
-        table = pq.read_table(layout.source_parquet(key))
+    def describe(key: str) -> dict:
+        stats = json.loads(read_bytes(layout.shard_stats(key)))
+        fs, path = url_to_fs(layout.tar(key))
+        tar_bytes = fs.size(path) if fs.exists(path) else 0
+        sheet = _contact_sheet_metadata(layout, key, rebuild=False) if tar_bytes else {}
+        return {**_stats_metadata(stats, layout.tar(key), tar_bytes), **sheet}
+
+    def download(key: str) -> dict:
+        table = read_parquet(layout.source_parquet(key))
         report = write_image_shard(table, int(key), cfg, layout)
         stats = json.loads(read_bytes(layout.shard_stats(key)))
         context.log.info(f"shard {key}: {report.successes}/{report.count} images in {report.seconds:.1f}s")
@@ -88,9 +91,8 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
             sheet = _contact_sheet_metadata(layout, key, rebuild=True)
         else:  # a rebuilt shard without successes: an older preview would show images it no longer has
             sheet = {}
-            fs, path = url_to_fs(layout.contact_sheet(key))
-            if fs.exists(path):
-                fs.rm(path)
-        return {**_stats_metadata(stats, tar, report.tar_bytes), **sheet, "status": "written"}
+            remove(layout.contact_sheet(key))
+        return {**_stats_metadata(stats, layout.tar(key), report.tar_bytes), **sheet, "status": "written"}
 
-    return materialize_shards(context, one, ("tar_matches_parquet", lambda key: check_image_shard(layout, key)))
+    return materialize_shards(context, dataset, "image_shards", download, rebuild=config.rebuild, describe=describe,
+                              check=("tar_matches_parquet", lambda key: check_image_shard(layout, key)))

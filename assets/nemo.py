@@ -13,7 +13,8 @@ from resources.nemo import NemoEncoders
 from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
 from shardprep.ledger import load_ledger
 from shardprep.precache import write_precached_encodings
-from shardprep.storage import exists, read_bytes
+from shardprep.storage import exists, read_bytes, remove_tree
+from shardprep.versions import stamped_version, write_stamp
 from shardprep.wdinfo import write_wdinfo
 
 # Global assets catch up on a schedule (or on demand from the UI); any newly finished shard is enough,
@@ -25,8 +26,13 @@ class BalancedConfig(dg.Config):
     final: bool = False  # the dataset is complete: publish the last, short tar too (wdinfo excludes it)
 
 
-def _disabled(flag: str) -> dg.MaterializeResult:
-    return dg.MaterializeResult(metadata={"status": f"disabled ({flag}: false)"})
+def _start_over_if_outdated(layout, folder: str, artifact: str, version: str) -> bool:
+    """Delete ``folder`` when its outputs were made at another version (a config change, e.g.
+    tar_chunk_size or the image size): complete tars are immutable, so they are rebuilt, not patched."""
+    if stamped_version(layout, artifact) == version or not exists(folder):
+        return False
+    remove_tree(folder)
+    return True
 
 
 @dg.asset(
@@ -40,9 +46,8 @@ def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
     """``<root>/balanced/{n}.tar``: tars of exactly ``tar_chunk_size`` successful samples in shard order
     (NeMo's reorganize_tar). Finished image shards are consumed once; the short last tar carries an
     ``.INCOMPLETE`` marker until it fills."""
-    cfg, layout = dataset.config, dataset.layout
-    if not cfg.enable_nemo_text2img:
-        return _disabled("enable_nemo_text2img")
+    cfg, layout, version = dataset.config, dataset.layout, dataset.versions["balanced_shards"]
+    rebuilt = _start_over_if_outdated(layout, layout.balanced_dir, "balanced_shards", version)
     ledger = load_ledger(layout)
     state = load_state(layout) or {}
     consumed = list(state.get("consumed", []))
@@ -51,7 +56,8 @@ def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
     ready = [s for s in (ledger.keys() if ledger else []) if s not in done and exists(layout.shard_stats(s))]
     waiting = [s for s in (ledger.keys() if ledger else []) if s not in done and s not in ready]
     r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final)
-    return dg.MaterializeResult(metadata={
+    write_stamp(layout, "balanced_shards", version)
+    return dg.MaterializeResult(metadata={"rebuilt_for_new_version": rebuilt, "version": version,
         "complete_tars": len(r.complete_tars), "new_complete_tars": len(r.new_complete_tars),
         "partial_tar_samples": r.partial_count, "samples_added": r.samples_added,
         "total_samples": r.total_samples, "shards_consumed": len(consumed) + len(ready),
@@ -83,9 +89,6 @@ def wdinfo(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.Ma
     """``<root>/balanced/wdinfo.pkl``: ``{"tar_files", "chunk_size", "total_key_count"}`` over the complete
     balanced tars (paths relative to the balanced folder, subfolders included), as NeMo reads it."""
     cfg, layout = dataset.config, dataset.layout
-    if not cfg.enable_nemo_text2img:  # a check spec needs its result on every path
-        return _disabled("enable_nemo_text2img")._replace(check_results=[dg.AssetCheckResult(
-            check_name="lists_every_complete_tar", passed=True, description="NeMo text2img is disabled")])
     info = write_wdinfo(layout.balanced_dir, layout.balanced_wdinfo, cfg.tar_chunk_size)
     return dg.MaterializeResult(
         metadata={"tar_files": len(info["tar_files"]), "total_key_count": info["total_key_count"],
@@ -105,9 +108,8 @@ def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResou
     """``<root>/precached/{n}.tar`` per complete balanced tar: ``{key}.pickle`` with NeMo Stable Diffusion's
     ``autoencoderkl_image`` (mean‖logvar, float16) and ``clip-vit-large-patch14_text`` (float32, padded to
     a multiple of 8), plus ``precached/wdinfo.pkl``. Only tars not yet encoded are encoded."""
-    cfg, layout = dataset.config, dataset.layout
-    if not cfg.enable_nemo_text2img:
-        return _disabled("enable_nemo_text2img")
+    cfg, layout, version = dataset.config, dataset.layout, dataset.versions["precached_encodings"]
+    rebuilt = _start_over_if_outdated(layout, layout.precached_dir, "precached_encodings", version)
     todo = [int(name.split(".")[0]) for name in sorted(complete_tar_counts(layout.balanced_dir))]
     todo = [i for i in todo if not exists(layout.precached_tar(i))]
     encoded, seconds, nonfinite = 0, 0.0, []
@@ -119,7 +121,8 @@ def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResou
         context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
     info = write_wdinfo(layout.precached_dir, layout.precached_wdinfo, cfg.tar_chunk_size) if todo or exists(
         layout.precached_wdinfo) else {"tar_files": []}
-    return dg.MaterializeResult(metadata={
+    write_stamp(layout, "precached_encodings", version)
+    return dg.MaterializeResult(metadata={"rebuilt_for_new_version": rebuilt, "version": version,
         "new_tars": len(todo), "samples_encoded": encoded, "seconds": round(seconds, 3),
         "nonfinite_samples": dg.MetadataValue.json(nonfinite[:50]), "tar_files": len(info["tar_files"]),
         "path": dg.MetadataValue.path(layout.precached_dir)})

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import dagster as dg
 
 from assets.partitions import shard_partitions
+from resources.dataset import DatasetResource
 from shardprep.checks import CheckOutcome
-
-# How many shards one backfill run takes: a model is loaded once per run, not once per shard.
-GPU_SHARDS_PER_RUN = int(os.environ.get("SHARDPREP_GPU_SHARDS_PER_RUN", "8"))
-DOWNLOAD_SHARDS_PER_RUN = int(os.environ.get("SHARDPREP_DOWNLOAD_SHARDS_PER_RUN", "4"))
+from shardprep.verify import file_sizes
+from shardprep.versions import stamped_version, write_stamp
 
 
 class ShardRunConfig(dg.Config):
@@ -59,19 +57,29 @@ def _check_result(name: str, outcomes: dict[str, CheckOutcome]) -> dg.AssetCheck
         metadata={"failed_shards": dg.MetadataValue.json(failed), "shards": len(outcomes)})
 
 
-def materialize_shards(context: dg.AssetExecutionContext, work: Callable[[str], dict[str, Any]],
+def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResource, artifact: str,
+                       write: Callable[[str], dict[str, Any]], *, rebuild: bool = False,
+                       describe: Callable[[str], dict[str, Any]] | None = None,
                        check: tuple[str, Callable[[str], CheckOutcome]] | None = None) -> dg.MaterializeResult:
-    """Run ``work(shard)`` for each partition of this run, then the asset's check, then report.
+    """``write(shard)`` for each partition of this run whose outputs are not complete at the current
+    version (``shardprep.versions``: a stamp written after the outputs says so), then the asset's
+    check, then report. ``describe(shard)``: metadata of outputs found complete (default: none).
 
     A failing shard does not stop the others (their outputs are written and will be found complete on
     a re-run); the step fails at the end naming every failed shard.
     """
     keys = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
+    layout, version = dataset.layout, dataset.versions[artifact]
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
     for key in keys:
         try:
-            results[key] = work(key)
+            if not rebuild and stamped_version(layout, artifact, key) == version:
+                results[key] = {"status": "cached", **(describe(key) if describe else {})}
+            else:
+                results[key] = write(key)
+                # last: the outputs above are complete; their sizes let `verify` find one cut short later
+                write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
         except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
             context.log.error(f"shard {key}: {type(e).__name__}: {e}")
             failures[key] = f"{type(e).__name__}: {e}"
@@ -83,8 +91,10 @@ def materialize_shards(context: dg.AssetExecutionContext, work: Callable[[str], 
         )
     checks = [_check_result(check[0], {k: check[1](k) for k in keys})] if check else None
     if len(keys) == 1:
-        return dg.MaterializeResult(metadata=results[keys[0]], check_results=checks)
-    summary: dict[str, Any] = {"shards": len(keys)}
+        return dg.MaterializeResult(metadata={**results[keys[0]], "version": version}, check_results=checks,
+                                    data_version=dg.DataVersion(version))
+    summary: dict[str, Any] = {"shards": len(keys), "version": version,
+                               "cached_shards": sum(r.get("status") == "cached" for r in results.values())}
     for name in ("samples", "successes", "failed_to_download", "failed_to_resize", "rows", "bytes", "seconds"):
         vals = [r[name] for r in results.values() if isinstance(r.get(name), (int, float))]
         if vals:
@@ -92,4 +102,5 @@ def materialize_shards(context: dg.AssetExecutionContext, work: Callable[[str], 
     summary["per_shard"] = _table([
         {"shard": k, **{n: v for n, v in r.items() if isinstance(v, (int, float, str))}} for k, r in results.items()
     ])
-    return dg.MaterializeResult(metadata=summary, check_results=checks)
+    # the version is each partition's data version: the one tag Dagster indexes per partition
+    return dg.MaterializeResult(metadata=summary, check_results=checks, data_version=dg.DataVersion(version))

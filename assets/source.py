@@ -6,18 +6,17 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.partitions import shard_partitions
-from assets.shard_runs import DOWNLOAD_SHARDS_PER_RUN, ShardRunConfig, materialize_shards
+from assets.shard_runs import ShardRunConfig, materialize_shards
 from resources.dataset import DatasetResource
 from shardprep.ledger import load_ledger
 from shardprep.sources import SourceError, read_rows, required_columns
-from shardprep.storage import atomic_write, exists
+from shardprep.storage import atomic_write
 
 
 @dg.asset(
     partitions_def=shard_partitions,
     group_name="images",
     kinds={"parquet"},
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=DOWNLOAD_SHARDS_PER_RUN),
 )
 def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,
                    dataset: DatasetResource) -> dg.MaterializeResult:
@@ -28,13 +27,13 @@ def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,
     if ledger is None:
         raise dg.Failure(f"no shard ledger at {layout.ledger}: register the source files first")
 
-    def one(key: str) -> dict:
-        out = layout.source_parquet(key)
+    def describe(key: str) -> dict:
         shard = ledger.shard(key)
-        meta = {"source": shard.source, "row_start": shard.row_start, "row_stop": shard.row_stop,
-                "rows": shard.rows, "path": dg.MetadataValue.path(out)}
-        if exists(out) and not config.rebuild:
-            return {**meta, "status": "cached"}
+        return {"source": shard.source, "row_start": shard.row_start, "row_stop": shard.row_stop,
+                "rows": shard.rows, "path": dg.MetadataValue.path(layout.source_parquet(key))}
+
+    def copy_rows(key: str) -> dict:
+        shard = ledger.shard(key)
         t0 = time.time()
         table = read_rows(shard.source, shard.row_start, shard.row_stop)
         if table.num_rows != shard.rows:
@@ -45,8 +44,9 @@ def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,
             if col not in table.column_names:
                 raise SourceError(f"source file {shard.source}: column {col!r} (config field "
                                   f"'{field_name}') is missing")
-        with atomic_write(out) as f:
+        with atomic_write(layout.source_parquet(key)) as f:
             pq.write_table(table, f)
-        return {**meta, "status": "written", "seconds": round(time.time() - t0, 3)}
+        return {**describe(key), "status": "written", "seconds": round(time.time() - t0, 3)}
 
-    return materialize_shards(context, one)
+    return materialize_shards(context, dataset, "source_parquet", copy_rows, rebuild=config.rebuild,
+                              describe=describe)

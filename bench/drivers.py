@@ -90,8 +90,8 @@ def images_img2dataset(s: dict) -> dict:
 
 
 def clip_ours(s: dict) -> dict:
-    from shardprep.encoders import load_clip_encoder
     from shardprep.embeddings import write_clip_embeddings
+    from shardprep.encoders import load_clip_encoder
     from shardprep.layout import Layout
 
     layout = Layout(s["root"])  # tars in <root>/images, outputs in <root>/embeddings
@@ -108,9 +108,8 @@ def clip_ours(s: dict) -> dict:
 
 def clip_clip_retrieval(s: dict) -> dict:
     import numpy as np
-    from clip_retrieval.clip_inference.main import main as clip_inference
-
     from all_clip import load_clip
+    from clip_retrieval.clip_inference.main import main as clip_inference
 
     _fresh(s["out"])
     first, last = s["shards"][0], s["shards"][-1]
@@ -189,7 +188,7 @@ def _linked_dataset(src: str, dst: str, names: list[str]) -> None:
 
 
 def index_ours(s: dict) -> dict:
-    from shardprep.energon_index import update_energon_index
+    from shardprep.energon import update_energon_index
 
     _linked_dataset(s["src"], s["dir"], s["tars"])
     t0 = time.perf_counter()

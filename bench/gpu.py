@@ -26,7 +26,7 @@ def _peak(name: str) -> float | None:
 def make_tars(root: str, n_samples: int, per_tar: int, n_unique: int = 256) -> list[str]:
     """img2dataset-like tars of 256 px photo-like JPEGs under ``root/images``; returns shard names."""
     from shardprep.keys import compute_key, oom_sample_per_shard
-    from shardprep.synthetic import render_image
+    from tests.fixtures.synthetic import render_image
 
     os.makedirs(os.path.join(root, "images"), exist_ok=True)
     pool = []
@@ -69,8 +69,8 @@ def model_only(encoder, batch: int, steps: int = 20) -> float:
 
 def run_gpu(s: dict) -> dict:
     import torch
-
     from models import VIT_B_32, VIT_L_14, build_random_clip, text_flops, vision_flops
+
     from shardprep.embeddings import write_clip_embeddings
     from shardprep.encoders import load_clip_encoder
     from shardprep.layout import Layout

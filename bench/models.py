@@ -1,4 +1,4 @@
-"""Random-weight CLIP models for the benchmarks, built like ``shardprep.tiny_models.build_tiny_clip``
+"""Random-weight CLIP models for the benchmarks, built like ``tests.fixtures.tiny_clip.build_tiny_clip``
 (a Hugging Face ``CLIPModel`` folder with OpenAI's BPE vocabulary, loadable as ``hf_clip:<dir>``),
 with the geometry as a parameter.
 
@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from shardprep.tiny_models import CLIP_MEAN, CLIP_STD, CONTEXT_LENGTH, SEED, VOCAB_SIZE, _openai_bpe_files
+from tests.fixtures.tiny_clip import CLIP_MEAN, CLIP_STD, CONTEXT_LENGTH, SEED, VOCAB_SIZE, _openai_bpe_files
 
 SMALL_224 = dict(image_size=224, patch_size=32, width=64, layers=2, heads=2, text_width=64, text_layers=2,
                  text_heads=2, embed_dim=64)

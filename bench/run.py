@@ -340,7 +340,7 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"- source: {r['rows']['rows']} URL rows ({r['rows']['broken']} broken: 404, not an image, truncated) "
               "cycling over the benchmark site's images (`bench/source.py`: photo-like JPEGs, long side "
               "log-uniform 200-2,500 px, quality 75-95, a third with EXIF, a few greyscale; every 7th a PNG "
-              "with alpha), served by `shardprep.synthetic.serve_directory` in its own process on 127.0.0.1",
+              "with alpha), served by `tests.fixtures.http_server.serve_directory` in its own process on 127.0.0.1",
               f"- settings, both sides: image_size {s['image_size']}, resize_mode {s['resize_mode']}, JPEG quality "
               f"{s['encode_quality']}, {s['processes']} processes, {s['threads']} download threads each, "
               f"{s['samples_per_shard']} samples per shard; shardprep with its defaults (`fast_decode: true`, "
@@ -360,7 +360,7 @@ def _details(results: dict, errors: dict) -> list[str]:
         a, fdl, s, o, t, g = r["agreement"], r["fidelity"], r["settings"], r["ours"], r["theirs"], r["model"]
         L += ["### CLIP embeddings (CPU)", "",
               f"- data: {s['tars']} tars of the image pair's img2dataset output (256 px JPEGs), {o['count']} samples",
-              f"- model: random-weight CLIP built like `shardprep.tiny_models` (`bench/models.py` SMALL_224: "
+              f"- model: random-weight CLIP built like `tests.fixtures.tiny_clip` (`bench/models.py` SMALL_224: "
               f"{g['image_size']} px input, {g['patch_size']} px patches, width {g['width']}, {g['layers']} layers; "
               f"text width {g['text_width']}, {g['text_layers']} layers, 77 tokens), spec `hf_clip:<dir>` for both",
               f"- settings: batch {s['batch_size']}, clip-retrieval `num_prepro_workers={s['workers']}`, "

@@ -1,6 +1,6 @@
 """A realistic download source for the benchmarks, cached under ``bench/work/``.
 
-Images: photo-like JPEGs (``shardprep.synthetic.render_image``: gradient, soft shapes, sensor-like
+Images: photo-like JPEGs (``tests.fixtures.synthetic.render_image``: gradient, soft shapes, sensor-like
 noise, so they compress like photos, not like flat test cards) whose long side is log-uniform in
 200–2,500 px (median ≈ 700 px, like web photos), common aspect ratios, JPEG quality 75–95, a third
 with an EXIF block, a few greyscale, and every 7th a PNG with an alpha channel (long side ≤ 900).
@@ -42,7 +42,7 @@ def _render(args) -> int:
     directory, spec, seed = args
     from PIL import Image
 
-    from shardprep.synthetic import _with_alpha, render_image
+    from tests.fixtures.synthetic import _with_alpha, render_image
 
     img = render_image(seed * 1_000_003 + spec["i"], spec["w"], spec["h"])
     path = os.path.join(directory, image_name(spec))
@@ -70,7 +70,7 @@ def make_site(directory: str, n_unique: int, seed: int = 0, workers: int = 2) ->
             info = json.load(f)
         if info.get("params") == params:
             return info
-    from shardprep.synthetic import write_broken_files
+    from tests.fixtures.synthetic import write_broken_files
 
     os.makedirs(os.path.join(directory, "images"), exist_ok=True)
     specs = [_spec(i, seed) for i in range(n_unique)]
@@ -95,7 +95,7 @@ def make_url_parquet(path: str, base_url: str, site: dict, n_rows: int, broken_s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardprep.synthetic import NOT_AN_IMAGE, TRUNCATED
+    from tests.fixtures.synthetic import NOT_AN_IMAGE, TRUNCATED
 
     rng = np.random.default_rng(seed)
     specs = site["specs"]
@@ -117,10 +117,10 @@ def make_url_parquet(path: str, base_url: str, site: dict, n_rows: int, broken_s
 
 
 class Server:
-    """``shardprep.synthetic.serve_directory`` in its own process (its CPU is not the harness's GIL)."""
+    """``tests.fixtures.http_server.serve_directory`` in its own process (its CPU is not the harness's GIL)."""
 
     def __init__(self, directory: str):
-        code = ("import sys, time\nfrom shardprep.synthetic import serve_directory\n"
+        code = ("import sys, time\nfrom tests.fixtures.http_server import serve_directory\n"
                 "url, stop = serve_directory(sys.argv[1])\nprint(url, flush=True)\n"
                 "sys.stdin.read()\nstop()\n")
         self.proc = subprocess.Popen([sys.executable, "-c", code, directory], stdin=subprocess.PIPE,

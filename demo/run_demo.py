@@ -1,4 +1,5 @@
-"""`make demo`: a sample source served on 127.0.0.1, a tiny CLIP built on disk, then `shardprep run`.
+"""`make demo` (``python -m demo.run_demo`` from the checkout): a sample source served on 127.0.0.1,
+tiny models built on disk, then `shardprep run`.
 
 Everything lives under demo/work/ (re-running does only missing work); the Dagster instance is the
 embedded SQLite one at $DAGSTER_HOME (.dagster_home/ in the checkout), which `make ui` opens.
@@ -20,10 +21,10 @@ WORK = CHECKOUT / "demo" / "work"
 for var, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
                    "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(var, value)
-sys.path.insert(0, str(CHECKOUT))
 
-from shardprep import synthetic  # noqa: E402
-from shardprep.nemo_models import build_tiny_nemo_models  # noqa: E402
+from tests.fixtures import synthetic  # noqa: E402
+from tests.fixtures.http_server import serve_directory  # noqa: E402
+from tests.fixtures.tiny_nemo import build_tiny_nemo_models  # noqa: E402
 
 ROWS_PER_FILE = (260, 180)  # 2 source files -> 5 shards of 100 (with broken URLs in each)
 SAMPLES_PER_SHARD = 100
@@ -31,7 +32,7 @@ SAMPLES_PER_SHARD = 100
 
 def _serve(port: int | None):
     try:
-        return synthetic.serve_directory(str(WORK / "http"), port=port or 0)
+        return serve_directory(str(WORK / "http"), port=port or 0)
     except OSError:
         return None
 
@@ -75,7 +76,9 @@ def prepare() -> tuple[str, object]:
 
 def print_tree(root: Path, max_files: int = 4) -> None:
     print(f"\noutput tree ({root}):")
-    for folder in sorted([root, *[p for p in root.rglob("*") if p.is_dir()]]):
+    # .shardprep/ holds bookkeeping (stamps, locks), not outputs a trainer reads
+    folders = [p for p in root.rglob("*") if p.is_dir() and ".shardprep" not in p.relative_to(root).parts]
+    for folder in sorted([root, *folders]):
         files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
         rel = folder.relative_to(root)
         print(f"  {'.' if str(rel) == '.' else rel}/  ({len(files)} files)")
@@ -94,7 +97,7 @@ def main() -> int:
         print(f"serving demo images at {served[0]} (Ctrl-C to stop)")
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
-    from shardprep.cli import main as cli_main
+    from orchestration.cli import main as cli_main
 
     t0 = time.time()
     code = cli_main(["run", "--config", config])

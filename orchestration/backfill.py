@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from shardprep.errors import ShardprepError
+
 DEFAULT_URL = "http://127.0.0.1:3000"
 
 ASSET_NODES = """
@@ -38,7 +40,7 @@ mutation Launch($params: LaunchBackfillParams!) {
 """
 
 
-class BackfillError(RuntimeError):
+class BackfillError(ShardprepError, RuntimeError):
     """The backfill could not be launched (webserver down, unknown asset or partition, refused)."""
 
 

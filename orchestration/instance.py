@@ -4,12 +4,17 @@ import os
 import shutil
 from pathlib import Path
 
+from resources.settings import load_settings
+
 CHECKOUT = Path(__file__).resolve().parent.parent
 
-# Pool limits set on an instance that has none yet (change them in the UI: Deployment > Concurrency).
-# One GPU step at a time per GPU; downloads are network-bound, each step already runs many threads.
-POOL_LIMITS = {"gpu": int(os.environ.get("SHARDPREP_GPU_SLOTS", "1")),
-               "download": int(os.environ.get("SHARDPREP_DOWNLOAD_SLOTS", "2"))}
+
+
+def pool_limits() -> dict[str, int]:
+    """Pool limits set on an instance that has none yet (change them in the UI: Deployment > Concurrency).
+    One GPU step at a time per GPU; downloads are network-bound, each step already runs many threads."""
+    settings = load_settings()
+    return {"gpu": settings.gpu_slots, "download": settings.download_slots}
 
 
 # The server dagster.postgres.yaml points at, unless the environment names another (the yaml can only
@@ -32,7 +37,7 @@ def dagster_home() -> Path:
 
 def apply_pool_limits(instance) -> None:
     storage = instance.event_log_storage
-    for pool, slots in POOL_LIMITS.items():
+    for pool, slots in pool_limits().items():
         if pool in storage.get_concurrency_keys():
             continue
         try:

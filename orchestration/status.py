@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from orchestration.plan import current_partitions, latest_version
+
 
 @dataclass(frozen=True)
 class AssetStatus:
@@ -17,18 +19,21 @@ class AssetStatus:
     materialized: int = 0
     failed: int = 0  # last attempt failed (materialized earlier or not)
     in_progress: int = 0
+    outdated: int = 0  # materialized, but at another version than the config's (will be redone)
     last_materialized: float | None = None  # timestamp of the latest materialization (any partition)
     last_failed: float | None = None  # unpartitioned: a failure after the latest materialization
 
     @property
     def missing(self) -> int:
-        return self.total - self.materialized - self.failed - self.in_progress
+        return self.total - self.materialized - self.failed - self.in_progress - self.outdated
 
     @property
     def state(self) -> str:
         """Unpartitioned assets: materialized / failed / missing."""
         if self.last_failed is not None:
             return "failed"
+        if self.outdated:
+            return "outdated"
         return "materialized" if self.last_materialized is not None else "missing"
 
 
@@ -38,7 +43,8 @@ def _entry(instance: dg.DagsterInstance, key: dg.AssetKey):
 
 
 def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[AssetStatus]:
-    """One status per materializable asset of ``defs``, in dependency order."""
+    """One status per materializable asset of ``defs``, in dependency order; with versioned assets
+    (a code location built for a config), a materialization at another version counts as outdated."""
     graph = defs.resolve_asset_graph()
     out = []
     for key in graph.toposorted_asset_keys:
@@ -54,14 +60,18 @@ def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[A
                     entry.last_materialization_storage_id is None
                     or entry.last_failed_to_materialize_storage_id > entry.last_materialization_storage_id):
                 failed_after = entry.last_failed_to_materialize_entry.timestamp
+            version = node.code_version
+            outdated = int(last_mat is not None and version is not None and latest_version(instance, key) != version)
             out.append(AssetStatus(key.to_user_string(), False, last_materialized=last_mat,
-                                   last_failed=failed_after))
+                                   last_failed=failed_after, outdated=outdated))
             continue
         keys = list(pdef.get_partition_keys(dynamic_partitions_store=instance))
         by_status = instance.get_status_by_partition(key, keys, pdef) or {}
+        current = current_partitions(instance, key, node.code_version)
+        outdated = sum(1 for k, v in by_status.items() if v == dg.AssetPartitionStatus.MATERIALIZED and k not in current)
         counts = {s: sum(1 for v in by_status.values() if v == s) for s in dg.AssetPartitionStatus}
-        out.append(AssetStatus(key.to_user_string(), True, total=len(keys),
-                               materialized=counts[dg.AssetPartitionStatus.MATERIALIZED],
+        out.append(AssetStatus(key.to_user_string(), True, total=len(keys), outdated=outdated,
+                               materialized=counts[dg.AssetPartitionStatus.MATERIALIZED] - outdated,
                                failed=counts[dg.AssetPartitionStatus.FAILED],
                                in_progress=counts[dg.AssetPartitionStatus.IN_PROGRESS], last_materialized=last_mat))
     return out
@@ -75,15 +85,17 @@ def _when(ts: float | None) -> str:
 
 def format_status(statuses: list[AssetStatus]) -> str:
     """A plain-text table: one line per asset."""
-    header = ["asset", "materialized", "failed", "in progress", "missing", "of shards", "last materialized"]
+    header = ["asset", "materialized", "outdated", "failed", "in progress", "missing", "of shards",
+              "last materialized"]
     rows = []
     for s in statuses:
         if s.partitioned:
-            rows.append([s.asset, str(s.materialized), str(s.failed), str(s.in_progress), str(s.missing),
-                         str(s.total), _when(s.last_materialized)])
+            rows.append([s.asset, str(s.materialized), str(s.outdated), str(s.failed), str(s.in_progress),
+                         str(s.missing), str(s.total), _when(s.last_materialized)])
         else:
-            rows.append([s.asset, {"materialized": "yes", "missing": "no", "failed": "FAILED"}[s.state],
-                         "", "", "", "(unpartitioned)", _when(s.last_materialized)])
+            rows.append([s.asset, {"materialized": "yes", "missing": "no", "failed": "FAILED",
+                                   "outdated": "outdated"}[s.state],
+                         "", "", "", "", "(unpartitioned)", _when(s.last_materialized)])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

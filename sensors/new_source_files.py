@@ -1,27 +1,22 @@
 """new_source_files: a parquet file appearing under the configured source becomes new shard partitions."""
 
 import json
-import os
 
 import dagster as dg
 
 from assets import shard_partitions, source_parquet
 from resources.dataset import DatasetResource
-from shardprep.ledger import load_ledger, register_sources
-from shardprep.sources import SourceError, list_source_files
+from shardprep.ledger import SourceChangedError, load_ledger, register_sources
+from shardprep.sources import SourceError, file_fingerprint, list_source_files
 
 MAX_PARTITION_ADDS_PER_TICK = 25_000  # Dagster's limit per sensor evaluation
-# Seconds between ticks (the daemon itself wakes every 5 s); tests and demos can set it lower.
-SENSOR_INTERVAL = int(os.environ.get("SHARDPREP_SENSOR_INTERVAL", "30"))
 
 
-# Runs materialize source_parquet; declarative automation carries each shard through the rest.
-@dg.sensor(target=source_parquet, minimum_interval_seconds=SENSOR_INTERVAL,
-           default_status=dg.DefaultSensorStatus.RUNNING)
-def new_source_files(context: dg.SensorEvaluationContext, dataset: DatasetResource):
-    """Lists the source (any fsspec URL) and gives new files shard ids through the ledger; requests one
-    run per new shard (run_key = shard, so a replayed tick launches nothing twice). A file rewritten
-    after registration is reported, never re-sharded; a bad file is reported and the others go on."""
+def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: DatasetResource):
+    """Lists the source (any fsspec URL) and gives new files, and rows appended to known ones, shard ids
+    through the ledger; requests one run per new shard (run_key = shard, so a replayed tick launches
+    nothing twice). A file rewritten or shrunk after registration is reported once with the command
+    that re-shards it; a bad file is reported and the others go on."""
     cfg = dataset.config
     cursor = json.loads(context.cursor) if context.cursor else {}
     try:
@@ -30,26 +25,42 @@ def new_source_files(context: dg.SensorEvaluationContext, dataset: DatasetResour
         return dg.SkipReason(str(e))
     # the cursor remembers what was already reported, so each problem is logged once, not every tick
     bad: dict[str, str] = {u: m for u, m in cursor.get("bad", {}).items() if u in files}
-    reported_changed = [u for u in cursor.get("changed", []) if u in files]
+    # rewritten files: url -> fingerprint when reported (an older cursor holds a list: report those again)
+    changed_before = cursor.get("changed", {})
+    changed: dict[str, str] = {u: f for u, f in changed_before.items() if u in files} \
+        if isinstance(changed_before, dict) else {}
 
-    errors, changed = [], []
-    for url in files:  # one at a time, so one bad file does not hold back the others
+    # a rewritten file still as reported is not checked again: that reads its rows and copies
+    todo = [u for u in files if not (u in changed and _fingerprint(u) == changed[u])]
+    # all files in one registration while none is bad (a call per file loads the whole ledger each
+    # time: 30,000 times a tick for LAION); one at a time otherwise, so a bad file holds back no other
+    batch = [u for u in todo if u not in bad]
+    try:
+        register_sources(cfg, source_files=batch, config_path=dataset.config_path)
+        for url in batch:
+            changed.pop(url, None)
+        todo = [u for u in todo if u in bad]
+    except (SourceError, SourceChangedError):
+        pass  # nothing was registered: the files go one at a time below
+    errors, rewritten = [], []
+    for url in todo:
         try:
-            reg = register_sources(cfg, source_files=[url])
-            changed += reg.changed_sources
+            register_sources(cfg, source_files=[url], config_path=dataset.config_path)
             bad.pop(url, None)
+            changed.pop(url, None)
+        except SourceChangedError as e:
+            rewritten.append(str(e))
+            changed[url] = e.fingerprint
         except SourceError as e:
             if bad.get(url) != str(e):
                 errors.append(str(e))
             bad[url] = str(e)
     for msg in errors:
         context.log.error(msg)
-    rewritten = [f"source file {url} changed after its shards were assigned (not re-sharded)"
-                for url in changed if url not in reported_changed]
     for msg in rewritten:
         context.log.warning(msg)
     problems = errors + rewritten
-    cursor = {"bad": bad, "changed": sorted(set(reported_changed) | set(changed))}
+    cursor = {"bad": bad, "changed": changed}
 
     ledger = load_ledger(dataset.layout)
     known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
@@ -63,3 +74,25 @@ def new_source_files(context: dg.SensorEvaluationContext, dataset: DatasetResour
         run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in new_keys],
         cursor=json.dumps(cursor),
     )
+
+
+def _fingerprint(url: str) -> str | None:
+    try:
+        return file_fingerprint(url)
+    except SourceError:
+        return None  # gone since listed: register_sources reports it
+
+
+def new_source_files_sensor(interval: int = 30) -> dg.SensorDefinition:
+    """The sensor, ticking every ``interval`` seconds (the daemon itself wakes every 5 s). Its runs
+    materialize source_parquet; declarative automation carries each shard through the rest."""
+
+    @dg.sensor(name="new_source_files", target=dg.AssetSelection.assets(source_parquet.key), minimum_interval_seconds=interval,
+               default_status=dg.DefaultSensorStatus.RUNNING, description=detect_new_source_files.__doc__)
+    def new_source_files(context: dg.SensorEvaluationContext, dataset: DatasetResource):
+        return detect_new_source_files(context, dataset)
+
+    return new_source_files
+
+
+new_source_files = new_source_files_sensor()

@@ -12,30 +12,29 @@ no successes and adds nothing). Output under ``layout.balanced_dir``:
 * ``state.json``: the shards consumed, the sample count of each tar and the partial tar's keys, so an
   update reads only the new shards (and the partial tar).
 
-Tar bytes are deterministic: USTAR headers like webdataset 0.2's ``TarWriter`` (mode 0o444,
-uname/gname ``bigdata``) but with ``mtime = 0`` and uid/gid 0, so re-running the same inputs gives
-identical files.
+Tar bytes are deterministic (``TarWriter(deterministic=True)``: webdataset 0.2's headers with
+``mtime = 0``), so re-running the same inputs gives identical files. Members are written as
+``{key}.{ext}`` sorted by extension, webdataset's reading of them (extensions lower-cased).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import posixpath
-import tarfile
 from dataclasses import dataclass, field
-from typing import IO, Iterator
+from typing import Iterator
 
-from shardprep.keys import split_member_name
+from shardprep import storage
+from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
-from shardprep.storage import atomic_write, url_to_fs
+from shardprep.tars import INCOMPLETE_SUFFIX, TarWriter, header_samples, iter_samples
 
 STATE_NAME = "state.json"
-INCOMPLETE_SUFFIX = ".INCOMPLETE"
 STATE_VERSION = 1
-TAR_USER = TAR_GROUP = "bigdata"  # webdataset TarWriter's defaults
-TAR_MODE = 0o444
-# webdataset / energon sample grouping: key = path up to the basename's first dot
+
+
+class BalancedError(ShardprepError, ValueError):
+    """The balanced tars cannot be updated as asked (state, shard list or chunk size disagree)."""
 
 
 @dataclass
@@ -76,13 +75,12 @@ def incomplete_marker(tar_url: str) -> str:
 
 
 def _load_state_at(url: str) -> dict | None:
-    fs, path = url_to_fs(url)
-    if not fs.exists(path):
+    text = storage.read_text(url)
+    if text is None:
         return None
-    with fs.open(path, "rb") as f:
-        raw = json.loads(f.read())
+    raw = json.loads(text)
     if raw.get("version") != STATE_VERSION:
-        raise ValueError(f"{url}: unsupported state version {raw.get('version')!r}")
+        raise BalancedError(f"{url}: unsupported state version {raw.get('version')!r}")
     return raw
 
 
@@ -107,132 +105,56 @@ def _sample_sort_key(key: str) -> tuple[int, str]:
     return (len(key), key)
 
 
-def iter_tar_samples(fileobj: IO[bytes], name: str, *, sort: bool) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """Yield ``(key, [(member name, payload), ...])`` of a webdataset tar.
-
-    ``sort=True`` yields samples in key order (two passes over a seekable file: headers, then the
-    payloads); otherwise in file order, grouping consecutive members like webdataset does.
-    """
-    try:
-        tar = tarfile.open(fileobj=fileobj, mode="r:*")
-    except tarfile.TarError as e:
-        raise ValueError(f"{name}: not a readable tar ({e})") from e
-    with tar:
-        try:
-            members = [m for m in tar.getmembers() if m.isreg()]
-        except tarfile.TarError as e:
-            raise ValueError(f"{name}: corrupt tar ({e})") from e
-        groups: list[tuple[str, list[tarfile.TarInfo]]] = []
-        index: dict[str, int] = {}
-        for m in members:
-            split = split_member_name(m.name)
-            if split is None:
-                continue  # no extension: webdataset and energon skip it too
-            key = split[0]
-            if groups and groups[-1][0] == key:
-                groups[-1][1].append(m)
-            elif key in index:
-                raise ValueError(f"{name}: members of sample {key!r} are not contiguous (e.g. {m.name!r})")
-            else:
-                index[key] = len(groups)
-                groups.append((key, [m]))
-        if sort:
-            groups.sort(key=lambda g: _sample_sort_key(g[0]))
-        for key, ms in groups:
-            parts = []
-            for m in ms:
-                f = tar.extractfile(m)
-                if f is None:
-                    raise ValueError(f"{name}: cannot read member {m.name!r}")
-                parts.append((m.name, f.read()))
-            yield key, parts
+def _members(sample: dict) -> dict[str, bytes]:
+    return {ext: data for ext, data in sample.items() if ext not in ("__key__", "__url__")}
 
 
-def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    info.mtime = 0  # deterministic bytes: a re-run writes identical tars
-    info.mode = TAR_MODE
-    info.uid = info.gid = 0
-    info.uname, info.gname = TAR_USER, TAR_GROUP
-    tar.addfile(info, io.BytesIO(payload))
-
-
-def _exists(url: str) -> bool:
-    fs, path = url_to_fs(url)
-    return fs.exists(path)
-
-
-def _remove(url: str) -> None:
-    fs, path = url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path)
+def _samples_in_key_order(url: str) -> Iterator[dict]:
+    """Samples of an image shard in key order: streamed when the tar is in key order already (as
+    ``write_image_shard`` writes it; a headers-only pass checks), else sorted in memory."""
+    keys = [s["__key__"] for s in header_samples(url)[0]]
+    if keys == sorted(keys, key=_sample_sort_key):
+        yield from iter_samples(url)
+    else:
+        yield from sorted(iter_samples(url), key=lambda s: _sample_sort_key(s["__key__"]))
 
 
 def _write_marker(url: str) -> None:
-    with atomic_write(url) as f:
-        f.write(b"")
+    storage.write_bytes(url, b"")
 
 
-class _TarOut:
-    """One output tar being written through ``atomic_write`` (published on ``commit``)."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.count = 0
-        self.keys: list[str] = []
-        self._cm = atomic_write(url)
-        self._file = self._cm.__enter__()
-        self._tar = tarfile.open(fileobj=self._file, mode="w|", format=tarfile.USTAR_FORMAT)
-
-    def add(self, key: str, parts: list[tuple[str, bytes]]) -> None:
-        for name, payload in parts:
-            _add_member(self._tar, name, payload)
-        self.count += 1
-        self.keys.append(key)
-
-    def commit(self) -> None:
-        self._tar.close()  # end-of-archive blocks must be in the file before it is published
-        self._cm.__exit__(None, None, None)
-
-    def abort(self, exc: BaseException) -> None:
-        try:
-            self._tar.close()
-        except Exception:  # noqa: BLE001 - the temp file is discarded anyway
-            pass
-        self._cm.__exit__(type(exc), exc, exc.__traceback__)
-
-
-def _read_partial(url: str, keys: list[str]) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+def _read_partial(url: str, keys: list[str]) -> Iterator[dict]:
     """The first ``len(keys)`` samples of the partial tar, checked against the state's keys.
 
     Only a prefix is taken: after a crash between writing tars and writing the state, the tar may
     already hold more samples than the state knows; those are re-read from their shards.
     """
-    fs, path = url_to_fs(url)
-    if not fs.exists(path):
-        raise ValueError(f"{url}: partial tar recorded in {STATE_NAME} is missing; delete the balanced "
-                         "folder to rebuild it")
-    with fs.open(path, "rb") as f:
-        samples = iter_tar_samples(f, url, sort=False)
+    if not storage.exists(url):
+        raise BalancedError(f"{url}: partial tar recorded in {STATE_NAME} is missing; delete the balanced "
+                            "folder to rebuild it")
+    samples = iter_samples(url)
+    try:
         for expected in keys:
             got = next(samples, None)
-            if got is None or got[0] != expected:
-                raise ValueError(f"{url}: partial tar does not start with the samples recorded in {STATE_NAME} "
-                                 f"(expected key {expected!r}, found {None if got is None else got[0]!r}); "
-                                 "delete the balanced folder to rebuild it")
+            found = None if got is None else got["__key__"]
+            if found != expected:
+                raise BalancedError(f"{url}: partial tar does not start with the samples recorded in {STATE_NAME} "
+                                    f"(expected key {expected!r}, found {found!r}); "
+                                    "delete the balanced folder to rebuild it")
             yield got
+    finally:
+        samples.close()
 
 
 def _validate_shards(shards: list[str], consumed: list[str]) -> None:
     dup = sorted({s for s in shards if shards.count(s) > 1})
     if dup:
-        raise ValueError(f"shards list names shard(s) {dup} more than once")
+        raise BalancedError(f"shards list names shard(s) {dup} more than once")
     if shards[:len(consumed)] != consumed:
         for i, s in enumerate(consumed):
             if i >= len(shards) or shards[i] != s:
                 got = shards[i] if i < len(shards) else "<end of list>"
-                raise ValueError(
+                raise BalancedError(
                     f"balanced tars already consumed shards {consumed[:3]}...{consumed[-1:]} in that order; the "
                     f"new shards list must start with them, but position {i} is {got!r} instead of {s!r} "
                     "(only appending shards is incremental; delete the balanced folder to rebuild)")
@@ -246,7 +168,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
     Only the last partial tar is rewritten; complete tars are left byte-identical.
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise BalancedError(f"chunk_size must be >= 1, got {chunk_size}")
     shards = list(shards)
     raw = load_state(layout)
     if raw is None:
@@ -255,7 +177,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
         state = _State(chunk_size=raw["chunk_size"], consumed=raw["consumed"], counts=raw["counts"],
                        partial_keys=raw["partial_keys"], final=raw.get("final", False))
         if state.chunk_size != chunk_size:
-            raise ValueError(f"{state_url(layout)}: balanced tars were built with chunk_size={state.chunk_size}, "
+            raise BalancedError(f"{state_url(layout)}: balanced tars were built with chunk_size={state.chunk_size}, "
                              f"not {chunk_size}; complete tars are immutable, delete the balanced folder to re-chunk")
     _validate_shards(shards, state.consumed)
     new_shards = shards[len(state.consumed):]
@@ -264,7 +186,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
     partial_index = n_complete_before if state.partial_keys else None
     tar_urls = [layout.balanced_tar(i) for i in range(len(state.counts))]
 
-    present = [s for s in new_shards if _exists(layout.tar(s))]
+    present = [s for s in new_shards if storage.exists(layout.tar(s))]
     missing = [s for s in new_shards if s not in present]
 
     if not present:  # nothing to copy: at most the marker and the consumed list change
@@ -273,7 +195,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
             # with final=True the short tar becomes indexable, with final=False it is hidden again
             marker = incomplete_marker(tar_urls[partial_index])
             if final:
-                _remove(marker)
+                storage.remove(marker)
             else:
                 _write_marker(marker)
             changed = True
@@ -283,33 +205,31 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
             _write_state(layout, state)
         return _report(layout, state, [], [], new_shards, 0, changed, missing=missing)
 
-    def samples() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    def samples() -> Iterator[dict]:
         for shard in present:
-            fs, path = url_to_fs(layout.tar(shard))
-            with fs.open(path, "rb") as f:
-                yield from iter_tar_samples(f, layout.tar(shard), sort=True)
+            yield from _samples_in_key_order(layout.tar(shard))
 
     counts = state.counts[:n_complete_before]
     new_complete: list[str] = []
     rewritten: list[str] = []
     added = 0
     index = n_complete_before
-    out: _TarOut | None = None
+    out: TarWriter | None = None
     source = samples()
     try:
         if partial_index is not None:
-            out = _TarOut(layout.balanced_tar(partial_index))
-            for key, parts in _read_partial(tar_urls[partial_index], state.partial_keys):
-                out.add(key, parts)
-        for key, parts in source:
+            out = TarWriter(layout.balanced_tar(partial_index), deterministic=True)
+            for sample in _read_partial(tar_urls[partial_index], state.partial_keys):
+                out.add(sample["__key__"], _members(sample))
+        for sample in source:
             if out is None:
-                out = _TarOut(layout.balanced_tar(index))
-            out.add(key, parts)
+                out = TarWriter(layout.balanced_tar(index), deterministic=True)
+            out.add(sample["__key__"], _members(sample))
             added += 1
             if out.count == chunk_size:
                 out.commit()
                 # the marker goes after the full tar is published: a reader never sees a short tar unmarked
-                _remove(incomplete_marker(out.url))
+                storage.remove(incomplete_marker(out.url))
                 if index == partial_index:
                     rewritten.append(out.url)
                 new_complete.append(out.url)
@@ -320,7 +240,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
         if out is not None:
             # the marker goes before the short tar is published, so no index ever lists it as complete
             if final:
-                _remove(incomplete_marker(out.url))
+                storage.remove(incomplete_marker(out.url))
             else:
                 _write_marker(incomplete_marker(out.url))
             out.commit()
@@ -345,8 +265,7 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
 
 
 def _write_state(layout: Layout, state: _State) -> None:
-    with atomic_write(state_url(layout)) as f:
-        f.write(json.dumps(state.to_json(), indent=1).encode("utf-8"))
+    storage.write_bytes(state_url(layout), json.dumps(state.to_json(), indent=1).encode("utf-8"))
 
 
 def _report(layout: Layout, state: _State, new_complete: list[str],

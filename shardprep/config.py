@@ -1,78 +1,139 @@
 """The dataset config: one YAML file names the source, the output root and every processing choice.
 
-A wrong or missing field fails at load with a message naming the field (and the file).
+Every field is typed and bounded (a pydantic model, strict: no "no" for false, no "8" for 8); a
+wrong, missing or unknown field fails at load with one line per field naming the field, the value
+given and what is allowed (and the file).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+import difflib
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-RESIZE_MODES = ("no", "border", "keep_ratio", "keep_ratio_largest", "center_crop")
-ENCODE_FORMATS = ("jpg", "png", "webp")
+from shardprep.errors import ShardprepError
+
+ResizeMode = Literal["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"]
+EncodeFormat = Literal["jpg", "png", "webp"]
+RESIZE_MODES: tuple[str, ...] = get_args(ResizeMode)
+ENCODE_FORMATS: tuple[str, ...] = get_args(EncodeFormat)
+# columns shardprep writes itself: an additional source column may not shadow them
+_RESERVED_COLUMNS = frozenset({"url", "caption", "key", "status", "error_message", "width", "height",
+                               "original_width", "original_height", "exif", "sha256"})
+
+# The value types; each description is the "allowed: ..." of an error message.
+Text = Annotated[str, Field(pattern=r"\S", description="a non-empty string")]  # not blank either
+PositiveInt = Annotated[int, Field(gt=0, description="a positive integer")]
+NonNegativeInt = Annotated[int, Field(ge=0, description="an integer >= 0")]
+Flag = Annotated[bool, Field(description="true or false")]
+Share = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-class ConfigError(ValueError):
+class ConfigError(ShardprepError, ValueError):
     """A config field is missing, unknown or has a bad value."""
 
 
-@dataclass(frozen=True)
-class DatasetConfig:
+class DatasetConfig(BaseModel):
+    # strict: YAML gives real bools and numbers, so a string or a bool where a number belongs is a
+    # mistake; validate_default: encode_quality's default (95) is wrong for png
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True)
+
     # where the data comes from and goes to (any fsspec URL; a glob for the source)
-    source: str
-    output_root: str
-    url_col: str = "url"
-    caption_col: str | None = "caption"
-    save_additional_columns: tuple[str, ...] = ()
+    source: Text
+    output_root: Text
+    url_col: Text = "url"
+    caption_col: Text | None = Field("caption", description="a column name or null (no captions)")
+    save_additional_columns: tuple[Text, ...] = Field(
+        (), description="a list of distinct non-empty column names, none of them reserved "
+                        f"({', '.join(sorted(_RESERVED_COLUMNS))})")
     # sharding (img2dataset semantics)
-    samples_per_shard: int = 10_000
-    oom_shard_count: int = 5
+    samples_per_shard: PositiveInt = 10_000
+    oom_shard_count: PositiveInt = 5
     # images
-    image_size: int = 256
-    resize_mode: str = "border"
-    resize_only_if_bigger: bool = False
-    encode_format: str = "jpg"
-    encode_quality: int = 95
-    extract_exif: bool = True
+    image_size: PositiveInt = 256
+    resize_mode: ResizeMode = Field("border", description=f"one of {', '.join(RESIZE_MODES)}")
+    resize_only_if_bigger: Flag = False
+    encode_format: EncodeFormat = Field("jpg", description=f"one of {', '.join(ENCODE_FORMATS)}")
+    encode_quality: int = Field(95, description="an integer in [0, 9] for png (compression), [0, 100] otherwise")
+    extract_exif: Flag = True
     # fast_decode: JPEGs that are downscaled are decoded at 1/2-1/8 scale (libjpeg DCT scaling)
     # before the same area resize; same sizes and statuses as img2dataset, pixels within a few
     # grey levels (false: byte-identical to img2dataset's resizer). decode_threads: images
     # decoded/resized at once per shard (0: one per CPU core); downloads keep thread_count.
-    fast_decode: bool = True
-    decode_threads: int = 0
+    fast_decode: Flag = True
+    decode_threads: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per CPU core)")
     # downloads
-    timeout: float = 10.0
-    retries: int = 0
-    thread_count: int = 64
-    max_image_bytes: int = 50_000_000
-    max_image_pixels: int = 89_478_485  # PIL's decompression-bomb threshold
-    allow_private_addresses: bool = False
-    user_agent: str = "shardprep/0.1 (+https://github.com/shardprep)"
+    timeout: float = Field(10.0, gt=0, allow_inf_nan=False, description="a positive number of seconds")
+    retries: NonNegativeInt = 0
+    thread_count: PositiveInt = 64
+    max_image_bytes: PositiveInt = 50_000_000
+    max_image_pixels: PositiveInt = 89_478_485  # PIL's decompression-bomb threshold
+    allow_private_addresses: Flag = False
+    user_agent: Text = "shardprep/0.1 (+https://github.com/shardprep)"
     # CLIP embeddings (clip-retrieval's model spelling)
-    clip_model: str = "ViT-B/32"
-    device: str = "auto"
-    batch_size: int = 256
-    enable_text: bool = True
+    clip_model: Text = "ViT-B/32"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    batch_size: PositiveInt = 256
+    enable_text: Flag = True
     # NeMo text2img: equal-size tars + wdinfo.pkl (reorganize_tar, generate_wdinfo), precached SD encodings
-    enable_nemo_text2img: bool = True
-    tar_chunk_size: int = 1000
-    precache_resolution: int = 512
-    precache_keep_original: bool = False
-    sd_autoencoder: str = "stabilityai/sd-vae-ft-mse"  # a diffusers AutoencoderKL folder (4 latent channels)
-    sd_clip_text_model: str = "openai/clip-vit-large-patch14"
+    enable_nemo_text2img: Flag = True
+    tar_chunk_size: PositiveInt = 1000
+    # the SD autoencoder downsamples 8x (shardprep/precache.py)
+    precache_resolution: int = Field(512, gt=0, multiple_of=8, description="a positive multiple of 8")
+    precache_keep_original: Flag = False
+    sd_autoencoder: Text = "stabilityai/sd-vae-ft-mse"  # a diffusers AutoencoderKL folder (4 latent channels)
+    sd_clip_text_model: Text = "openai/clip-vit-large-patch14"
     # NeMo diffusion samples ({key}..pth latents, ..pickle T5 states, ..json) + Megatron-Energon indexes
-    enable_nemo_diffusion: bool = True
-    diffusion_t5_model: str = "google-t5/t5-11b"  # NeMo DiT's text encoder (d_model 1024)
-    diffusion_autoencoder: str = "black-forest-labs/FLUX.1-schnell/vae"  # 16 latent channels, or cosmos:<dir>
-    diffusion_resolution: int = 512
-    nemo_batch_size: int = 16
-    energon_split_ratio: tuple[float, float, float] = (0.9, 0.1, 0.0)  # train, val, test
+    enable_nemo_diffusion: Flag = True
+    diffusion_t5_model: Text = "google-t5/t5-11b"  # NeMo DiT's text encoder (d_model 1024)
+    diffusion_autoencoder: Text = "black-forest-labs/FLUX.1-schnell/vae"  # 16 latent channels, or cosmos:<dir>
+    # 8x autoencoder downsampling, then DiT's 2x2 patches (shardprep/diffusion.py)
+    diffusion_resolution: int = Field(512, gt=0, multiple_of=16, description="a positive multiple of 16")
+    nemo_batch_size: PositiveInt = 16
+    energon_split_ratio: tuple[Share, Share, Share] = Field(  # train, val, test
+        (0.9, 0.1, 0.0), description="a list of three non-negative finite numbers [train, val, test], not all zero")
 
-    def __post_init__(self) -> None:
-        _validate(self)
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e, data)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # frozen as the dataclass was (pydantic's own refusal is a ValidationError)
+        raise AttributeError(f"DatasetConfig is frozen: cannot assign to '{name}'")
+
+    @field_validator("save_additional_columns", "energon_split_ratio", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, v: Any, info: ValidationInfo) -> Any:
+        # YAML has lists, not tuples; an empty `save_additional_columns:` means none
+        if v is None and info.field_name == "save_additional_columns":
+            return ()
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("save_additional_columns")
+    @classmethod
+    def _usable_columns(cls, cols: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(cols)) != len(cols) or _RESERVED_COLUMNS & set(cols):
+            raise ValueError("duplicate or reserved column name")
+        return cols
+
+    @field_validator("encode_quality")
+    @classmethod
+    def _quality_in_range(cls, q: int, info: ValidationInfo) -> int:
+        hi = 9 if info.data.get("encode_format") == "png" else 100
+        if not 0 <= q <= hi:
+            raise ValueError(f"out of [0, {hi}]")
+        return q
+
+    @field_validator("energon_split_ratio")
+    @classmethod
+    def _some_split(cls, ratio: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not any(ratio):
+            raise ValueError("all zero")
+        return ratio
 
     @property
     def oom_sample(self) -> int:
@@ -81,77 +142,61 @@ class DatasetConfig:
         return oom_sample_per_shard(self.samples_per_shard)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = self.model_dump()
         d["save_additional_columns"] = list(self.save_additional_columns)
         d["energon_split_ratio"] = list(self.energon_split_ratio)
         return d
 
 
-_REQUIRED = ("source", "output_root")
-def _fail(name: str, msg: str) -> None:
-    raise ConfigError(f"config field '{name}': {msg}")
+def _field_error(name: str, value: str, allowed: str | None) -> str:
+    return f"config field '{name}': got {value}; allowed: {allowed}"
 
 
-def _validate(c: DatasetConfig) -> None:
-    for name in ("source", "output_root", "url_col", "clip_model", "device", "user_agent"):
-        v = getattr(c, name)
-        if not isinstance(v, str) or not v.strip():
-            _fail(name, f"must be a non-empty string, got {v!r}")
-    if c.caption_col is not None and (not isinstance(c.caption_col, str) or not c.caption_col):
-        _fail("caption_col", f"must be a column name or null, got {c.caption_col!r}")
-    for name in ("samples_per_shard", "image_size", "thread_count", "batch_size",
-                 "max_image_bytes", "max_image_pixels", "oom_shard_count"):
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            _fail(name, f"must be a positive integer, got {v!r}")
-    if isinstance(c.decode_threads, bool) or not isinstance(c.decode_threads, int) or c.decode_threads < 0:
-        _fail("decode_threads", f"must be an integer >= 0 (0: one per CPU core), got {c.decode_threads!r}")
-    if isinstance(c.retries, bool) or not isinstance(c.retries, int) or c.retries < 0:
-        _fail("retries", f"must be an integer >= 0, got {c.retries!r}")
-    if isinstance(c.timeout, bool) or not isinstance(c.timeout, (int, float)) or c.timeout <= 0:
-        _fail("timeout", f"must be a positive number of seconds, got {c.timeout!r}")
-    if c.resize_mode not in RESIZE_MODES:
-        _fail("resize_mode", f"must be one of {', '.join(RESIZE_MODES)}; got {c.resize_mode!r}")
-    if c.encode_format not in ENCODE_FORMATS:
-        _fail("encode_format", f"must be one of {', '.join(ENCODE_FORMATS)}; got {c.encode_format!r}")
-    q = c.encode_quality
-    lo, hi = (0, 9) if c.encode_format == "png" else (0, 100)
-    if isinstance(q, bool) or not isinstance(q, int) or not lo <= q <= hi:
-        _fail("encode_quality", f"must be an integer in [{lo}, {hi}] for {c.encode_format}, got {q!r}")
-    for name in ("resize_only_if_bigger", "extract_exif", "allow_private_addresses", "enable_text", "fast_decode"):
-        if not isinstance(getattr(c, name), bool):
-            _fail(name, f"must be true or false, got {getattr(c, name)!r}")
-    if not (c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda")):
-        _fail("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {c.device!r}")
-    reserved = {"url", "caption", "key", "status", "error_message", "width", "height",
-                "original_width", "original_height", "exif", "sha256"}
-    for col in c.save_additional_columns:
-        if not isinstance(col, str) or col in reserved:
-            _fail("save_additional_columns", f"{col!r} is not a usable column name (reserved: {sorted(reserved)})")
+def _describe(e: ValidationError, raw: dict[str, Any]) -> str:
+    """pydantic's errors as one line per field: the field, the value given and what is allowed (the
+    field's description, so the validators' own messages are never shown)."""
+    fields = DatasetConfig.model_fields
+    lines: list[str] = []
+    unknown: list[str] = []
+    seen: set[str] = set()
+    for err in e.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        if err["type"] == "extra_forbidden":
+            unknown.append(name)
+            continue
+        if name in seen:  # one line per field: a list can fail item by item
+            continue
+        seen.add(name)
+        if err["type"] == "missing" and len(err["loc"]) == 1:  # not a short list's missing item
+            lines.append(f"config field '{name}' is required")
+        elif name in fields:
+            given = (f"{raw[name]!r} ({type(raw[name]).__name__})" if name in raw
+                     else f"{fields[name].default!r} (the default)")
+            lines.append(_field_error(name, given, fields[name].description))
+        else:  # not expected: there are no model-level validators
+            lines.append(f"config: {err['msg']}")
+    if unknown:
+        lines.insert(0, _unknown_fields(unknown))
+    return "\n".join(lines)
+
+
+def _unknown_fields(unknown: list[str]) -> str:
+    known = sorted(DatasetConfig.model_fields)
+    hints = [f"'{close[0]}' instead of '{u}'" for u in unknown
+             if (close := difflib.get_close_matches(u, known, n=1))]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"unknown config field(s) {sorted(unknown)}{hint}; known fields: {known}"
 
 
 def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: the config must be a mapping of fields, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(DatasetConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{origin}: unknown config field(s) {unknown}; known fields: {sorted(known)}")
-    missing = [k for k in _REQUIRED if raw.get(k) in (None, "")]
-    if missing:
-        raise ConfigError(f"{origin}: config field '{missing[0]}' is required")
-    values = dict(raw)
-    if isinstance(values.get("energon_split_ratio"), list):
-        values["energon_split_ratio"] = tuple(values["energon_split_ratio"])
-    if "save_additional_columns" in values:
-        cols = values["save_additional_columns"] or []
-        if not isinstance(cols, (list, tuple)):
-            raise ConfigError(f"{origin}: config field 'save_additional_columns': must be a list of column names")
-        values["save_additional_columns"] = tuple(cols)
+    if not all(isinstance(k, str) for k in raw):  # YAML allows `1: x`; keywords must be strings
+        raise ConfigError(f"{origin}: " + _unknown_fields([repr(k) for k in raw if not isinstance(k, str)]))
     try:
-        return DatasetConfig(**values)
-    except ConfigError as e:
-        raise ConfigError(f"{origin}: {e}") from None
+        return DatasetConfig(**raw)
+    except ConfigError as e:  # every line names the file
+        raise ConfigError("\n".join(f"{origin}: {line}" for line in str(e).splitlines())) from None
 
 
 def load_config(path: str) -> DatasetConfig:
@@ -173,4 +218,9 @@ def load_config(path: str) -> DatasetConfig:
             v = raw.get(k)
             if isinstance(v, str) and v and "://" not in v and not os.path.isabs(v):
                 raw[k] = os.path.normpath(os.path.join(base, v))
-    return config_from_dict(raw, origin=path)
+    cfg = config_from_dict(raw, origin=path)
+    # the shards are written under it: caught here rather than as a FileExistsError mid-run
+    if "://" not in cfg.output_root and os.path.isfile(cfg.output_root):
+        raise ConfigError(f"{path}: " + _field_error("output_root", f"{cfg.output_root!r}, an existing file",
+                                                       "a folder (existing or not)"))
+    return cfg

@@ -4,13 +4,17 @@ caption underneath, so a shard can be eyeballed from the Dagster UI without open
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import io
 import math
-import tarfile
+import re
+import string
 
 from PIL import Image, ImageDraw, ImageFont
 
-from shardprep.storage import url_to_fs
+from shardprep.errors import ShardprepError
+from shardprep.tars import TarReadError, iter_samples
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 COLUMNS = 6
@@ -22,7 +26,7 @@ CELL_BACKGROUND = (235, 235, 235)
 TEXT = (20, 20, 20)
 
 
-class ContactSheetError(ValueError):
+class ContactSheetError(ShardprepError, ValueError):
     """The tar cannot be turned into a contact sheet (unreadable, or no image in it)."""
 
 
@@ -30,35 +34,22 @@ def read_samples(tar_url: str, max_images: int) -> list[tuple[str, bytes, str]]:
     """(key, image bytes, caption) of the first ``max_images`` samples with an image, in tar order.
 
     The tar is streamed: only the members up to the last wanted sample are read."""
-    fs, path = url_to_fs(tar_url)
-    samples: dict[str, dict[str, bytes]] = {}
-    current, with_image = None, 0
+    out: list[tuple[str, bytes, str]] = []
     try:
-        with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
-            for member in tar:
-                if not member.isfile():
+        with contextlib.closing(iter_samples(tar_url)) as samples:
+            for sample in samples:
+                image = _image_of(sample)
+                if image is None:
                     continue
-                key, _, ext = member.name.rsplit("/", 1)[-1].partition(".")
-                if key != current:
-                    # a sample's members are adjacent (webdataset order): the previous one is complete
-                    if current is not None and _image_of(samples[current]) is not None:
-                        with_image += 1
-                        if with_image >= max_images:
-                            break
-                    current = key
-                samples.setdefault(key, {})[ext.lower()] = tar.extractfile(member).read()
-    except (OSError, tarfile.TarError) as e:
+                out.append((sample["__key__"], image, sample.get("txt", b"").decode("utf-8", errors="replace")))
+                if len(out) >= max_images:
+                    break
+    except (OSError, TarReadError) as e:
         raise ContactSheetError(f"shard tar {tar_url}: cannot be read ({type(e).__name__}: {e})") from e
-    out = []
-    for key in samples:  # insertion order: tar order
-        image = _image_of(samples[key])
-        if image is not None:
-            caption = samples[key].get("txt", b"").decode("utf-8", errors="replace")
-            out.append((key, image, caption))
-    return out[:max_images]
+    return out
 
 
-def _image_of(members: dict[str, bytes]) -> bytes | None:
+def _image_of(members: dict) -> bytes | None:
     return next((members[e] for e in IMAGE_EXTENSIONS if e in members), None)
 
 
@@ -69,18 +60,53 @@ def _font() -> ImageFont.ImageFont:
         return ImageFont.load_default()
 
 
+# Captions can be any length (50,000 characters happen), so fitting one looks only at what can
+# show: a line of ``width`` pixels holds fewer than ``_max_chars`` (width / narrowest glyph)
+# characters, so longer words are cut to that length (they are cut on screen anyway), and measured
+# widths grow with the text, so the words of a line and the cut of a line are binary searches.
+
+
+@functools.lru_cache(maxsize=8)
+def _max_chars(font, width: int) -> int:
+    """More characters than any text of at most ``width`` pixels holds in ``font``."""
+    narrowest = min(font.getlength(c) for c in string.printable if not c.isspace() or c == " ")
+    return int(width / max(narrowest, 1.0)) + 1
+
+
+def _last_true(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ``ok(n)``, given ``ok(lo)`` and that ok turns false once."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _wrap(draw: ImageDraw.ImageDraw, text: str, font, width: int, lines: int) -> list[str]:
+    """The first ``lines`` lines of ``text`` greedily word-wrapped to ``width`` pixels (a word too long
+    for a line alone on its line, shortened to ``_max_chars``)."""
+    cap = _max_chars(font, width)
+    words = (m.group()[:cap] for m in re.finditer(r"\S+", text))
+    pending: list[str] = []
+    wrapped: list[str] = []
+    while len(wrapped) < lines:
+        # a line that fits holds at most cap / 2 words (each but the last followed by a space)
+        pending.extend(w for _, w in zip(range(cap // 2 + 2 - len(pending)), words))
+        if not pending:
+            break
+        n = _last_true(lambda k: k == 1 or draw.textlength(" ".join(pending[:k]), font=font) <= width,
+                       1, len(pending))
+        wrapped.append(" ".join(pending[:n]))
+        del pending[:n]
+    return wrapped or [""]
+
+
 def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int, lines: int) -> list[str]:
     """Word-wrap ``text`` into at most ``lines`` lines of ``width`` pixels; a line that does not fit
     (a long word, or the last line of a longer caption) ends in '...'."""
-    wrapped, current = [], ""
-    for word in text.split():
-        trial = f"{current} {word}".strip()
-        if current and draw.textlength(trial, font=font) > width:
-            wrapped.append(current)
-            current = word
-        else:
-            current = trial
-    wrapped.append(current)
+    wrapped = _wrap(draw, text, font, width, lines + 1)  # one line more: does the caption go on?
     out = [_cut(draw, line, font, width, ellipsis=False) for line in wrapped[:lines]]
     if len(wrapped) > lines:
         out[-1] = _cut(draw, wrapped[lines - 1] + " " + wrapped[lines], font, width, ellipsis=True)
@@ -89,11 +115,11 @@ def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int, lines: int) -> 
 
 def _cut(draw: ImageDraw.ImageDraw, line: str, font, width: int, ellipsis: bool) -> str:
     """``line`` cut to ``width`` pixels, ending in '...' when anything was cut (or ``ellipsis``)."""
+    line = line[:_max_chars(font, width)]
     if not ellipsis and draw.textlength(line, font=font) <= width:
         return line
-    while line and draw.textlength(line + "...", font=font) > width:
-        line = line[:-1]
-    return line.rstrip() + "..."
+    n = _last_true(lambda k: k == 0 or draw.textlength(line[:k] + "...", font=font) <= width, 0, len(line))
+    return line[:n].rstrip() + "..."
 
 
 def grid_size(n_images: int, thumb: int) -> tuple[int, int]:

@@ -25,19 +25,18 @@ import io
 import json
 import math
 import pickle
-import tarfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardprep.embeddings import IMAGE_EXTS, iter_tar_samples
-from shardprep.image_shards import ordered_map, write_sample
+from shardprep.embeddings import IMAGE_EXTS
+from shardprep.image_shards import ordered_map
 from shardprep.layout import Layout
 from shardprep.nemo_encoders import preprocess_image
-from shardprep.storage import atomic_write, url_to_fs
+from shardprep.storage import exists, remove
+from shardprep.tars import TarWriter, iter_samples
 
 if TYPE_CHECKING:
     from shardprep.nemo_encoders import ImageAutoencoder, T5TextEncoder
@@ -105,12 +104,6 @@ def _prepare(sample: dict, resolution: int, url: str) -> dict:
     return {"key": key, "tensor": tensor, "caption": caption, "meta": meta}
 
 
-def _remove_if_exists(url: str) -> None:
-    fs, path = url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path)
-
-
 def _pth_bytes(latent) -> bytes:
     import torch
 
@@ -136,15 +129,12 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
     start = time.perf_counter()
     report = DiffusionReport(shard=shard)
     in_url, out_url = layout.tar(shard), layout.diffusion_tar(shard)
-    fs, in_path = url_to_fs(in_url)
-    if not fs.exists(in_path):
-        _remove_if_exists(out_url)
+    if not exists(in_url):
+        remove(out_url)
         report.seconds = time.perf_counter() - start
         return report
 
-    state: dict[str, Any] = {"tar": None, "file": None}
-
-    def flush(ready: list[dict], stack) -> None:
+    def flush(ready: list[dict], out: TarWriter) -> None:
         latents = vae.encode(torch.stack([it["tensor"] for it in ready]), output="mean")
         texts = t5.encode([it["caption"] for it in ready])
         for it, lat, txt in zip(ready, latents, texts):
@@ -155,14 +145,10 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
             if problem is not None:
                 report.failures.append({"key": it["key"], "reason": problem})
                 continue
-            if state["tar"] is None:  # opened at the first success: no empty tar, ever
-                state["file"] = stack.enter_context(atomic_write(out_url))
-                state["tar"] = stack.enter_context(
-                    tarfile.open(fileobj=state["file"], mode="w|", format=tarfile.USTAR_FORMAT))
             meta = {"image_height": resolution, "image_width": resolution,
                     "aesthetic_score": aesthetic_score(it["meta"]), "caption": it["caption"],
                     "source_key": it["key"]}
-            write_sample(state["tar"], it["key"], {
+            out.add(it["key"], {
                 ".json": json.dumps(meta),
                 ".pickle": pickle.dumps(txt),
                 ".pth": _pth_bytes(lat),
@@ -171,29 +157,25 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
             report.latent_shape = list(lat.shape)
             report.text_dim = int(txt.shape[1])
 
-    with ExitStack() as stack:
+    # opened at the first success: no empty tar, ever (a stale one is removed)
+    with TarWriter(out_url, remove_stale=True) as out:
         ready: list[dict] = []
 
         def prepare(sample: dict) -> dict:
             return _prepare(sample, resolution, in_url)
 
         # decoding/resizing of upcoming samples runs in threads while the models encode a batch
-        for item in ordered_map(prepare, iter_tar_samples(in_url), _DECODE_THREADS, 2 * batch_size):
+        for item in ordered_map(prepare, iter_samples(in_url), _DECODE_THREADS, 2 * batch_size):
             report.input_samples += 1
             if "reason" in item:
                 report.failures.append({"key": item["key"], "reason": item["reason"]})
                 continue
             ready.append(item)
             if len(ready) == batch_size:
-                flush(ready, stack)
+                flush(ready, out)
                 ready = []
         if ready:
-            flush(ready, stack)
-        if state["tar"] is not None:
-            state["tar"].close()  # end-of-archive blocks before atomic_write commits
-            report.tar_bytes = state["file"].tell()
-    report.tar_written = state["tar"] is not None
-    if not report.tar_written:
-        _remove_if_exists(out_url)
+            flush(ready, out)
+    report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
     report.seconds = time.perf_counter() - start
     return report

@@ -5,10 +5,10 @@ L2-normalised) and ``metadata/metadata_<shard>.parquet`` (``image_path`` = sampl
 the sample json flattened), rows in tar order and aligned 1:1 — what clip-retrieval writes with
 ``input_format="webdataset"``, ``enable_metadata=True`` and ``output_partition_count == #tars``.
 
-Throughput (issue 5, bench/RESULTS.md): tars are read by a direct 512-byte-header parser
-(``iter_tar_members``; ``tarfile`` for compressed ones), samples are decoded, preprocessed and
-tokenised in a thread pool while the model encodes the previous step (``encoders`` module doc
-for the fast preprocess), and on CPU the cores are split between decoding and torch.
+Throughput (issue 5, bench/RESULTS.md): tars are read by ``shardprep.tars``' direct 512-byte-header
+parser (``tarfile`` for compressed ones), samples are decoded, preprocessed and tokenised in a thread
+pool while the model encodes the previous step (``encoders`` module doc for the fast preprocess), and
+on CPU the cores are split between decoding and torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +25,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from shardprep.keys import is_meta_member, split_member_name
+from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
-from shardprep.storage import atomic_write, url_to_fs
+from shardprep.storage import atomic_write, exists, remove, write_npy
+from shardprep.tars import iter_samples
 
 if TYPE_CHECKING:
     from shardprep.encoders import ClipEncoder
@@ -50,195 +50,9 @@ class EmbeddingReport:
     skipped: list[dict] = field(default_factory=list)
 
 
-class ShardReadError(ValueError):
-    """A shard tar cannot be read as an img2dataset webdataset."""
-
-
-_BLOCK = 512
-_REGULAR = (b"0", b"\0", b"7")  # tarfile's REGULAR_TYPES, less GNU sparse (left to tarfile)
-_GNU_NAMES = (b"L", b"K")
-
-
-class _NotPlainTar(Exception):
-    """The stream does not start with a plain tar header (compressed?): read it with tarfile."""
-
-
-def _octal(field: bytes, url: str) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 (sizes over 8 GiB), as tarfile's nti
-        n = int.from_bytes(field[1:], "big")
-        return n - (256 ** (len(field) - 1)) if field[0] == 0xFF else n
-    digits = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(digits or b"0", 8)
-    except ValueError:
-        raise ShardReadError(f"{url}: not a readable tar (bad number field {field!r})") from None
-
-
-def _checksum_ok(header: bytes) -> bool:
-    stored = header[148:156].split(b"\0", 1)[0].strip()
-    try:
-        want = int(stored or b"-1", 8)
-    except ValueError:
-        return False
-    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
-    if want == unsigned:
-        return True
-    signed = unsigned - 256 * sum(1 for b in header[:148] + header[156:] if b > 127)  # some old tars
-    return want == signed
-
-
-def _read_exact(f, n: int, url: str, what: str) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise ShardReadError(f"{url}: not a readable tar (truncated {what}: {len(data)} of {n} bytes)")
-    return data
-
-
-def _plain_tar_members(f, url: str, header: bytes) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of the regular files of an uncompressed tar whose first block is ``header``,
-    parsing 512-byte headers directly (tarfile's per-member objects cost more than the rest of a
-    sample's bookkeeping). Handles USTAR prefixes, pax ``path``/``size`` records and GNU long
-    names, as tarfile does."""
-    next_name: str | None = None
-    next_size: int | None = None
-    first = True
-    while True:
-        if not first:
-            header = f.read(_BLOCK)
-        elif not header:
-            raise ShardReadError(f"{url}: not a readable tar (empty file)")
-        if not header or header == bytes(_BLOCK):
-            return  # end-of-archive (or a tar with no end blocks, which tarfile also accepts)
-        if len(header) < _BLOCK:
-            if first:
-                raise _NotPlainTar
-            raise ShardReadError(f"{url}: not a readable tar (truncated header)")
-        if not _checksum_ok(header):
-            if first:
-                raise _NotPlainTar
-            raise ShardReadError(f"{url}: not a readable tar (bad header checksum)")
-        first = False
-        kind = header[156:157]
-        size = _octal(header[124:136], url)
-        if kind not in (b"x", b"g") + _GNU_NAMES and next_size is not None:
-            size = next_size
-        padded = -(-size // _BLOCK) * _BLOCK
-        if kind in (b"x", b"g", b"L", b"K"):
-            payload = _read_exact(f, padded, url, "extended header")[:size]
-            if kind == b"L":
-                next_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind == b"x":
-                for key, value in _pax_records(payload, url):
-                    if key == "path":
-                        next_name = value
-                    elif key == "size":
-                        next_size = int(value)
-            continue  # "g" (global) and "K" (link names) do not name regular members
-        if kind == b"S":  # GNU sparse: never written by webdataset/img2dataset writers
-            raise ShardReadError(f"{url}: not a readable tar (GNU sparse member {header[:100]!r} unsupported)")
-        if next_name is not None:
-            name = next_name
-        else:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            prefix = header[345:500].split(b"\0", 1)[0]
-            if prefix:  # tarfile applies it whatever the magic
-                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
-        next_name = next_size = None
-        if kind in _REGULAR and not (kind == b"\0" and name.endswith("/")):
-            data = _read_exact(f, size, url, f"member {name!r}")
-            if padded > size:
-                _read_exact(f, padded - size, url, f"member {name!r}")
-            yield name, data
-        elif padded:
-            _read_exact(f, padded, url, f"member {name!r}")
-
-
-def _pax_records(payload: bytes, url: str) -> Iterator[tuple[str, str]]:
-    pos = 0
-    while pos < len(payload):
-        space = payload.find(b" ", pos)
-        try:
-            length = int(payload[pos:space])
-        except ValueError:
-            raise ShardReadError(f"{url}: not a readable tar (bad pax header)") from None
-        record = payload[space + 1:pos + length - 1]  # drops the trailing newline
-        key, _, value = record.partition(b"=")
-        yield key.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
-        pos += length
-
-
-def _tarfile_members(f, url: str) -> Iterator[tuple[str, bytes]]:
-    try:
-        with tarfile.open(fileobj=f, mode="r|*") as tar:
-            for member in tar:
-                if member.isreg():
-                    yield member.name, tar.extractfile(member).read()
-    except tarfile.TarError as e:
-        raise ShardReadError(f"{url}: not a readable tar ({e})") from e
-
-
-class _Prefixed:
-    """A read-only stream: ``prefix`` bytes, then the rest of ``f`` (tarfile's stream mode only reads)."""
-
-    def __init__(self, prefix: bytes, f):
-        self.prefix, self.f = prefix, f
-
-    def read(self, n: int = -1) -> bytes:
-        if not self.prefix:
-            return self.f.read(n)
-        if n is None or n < 0:
-            out, self.prefix = self.prefix + self.f.read(), b""
-            return out
-        out, self.prefix = self.prefix[:n], self.prefix[n:]
-        return out + (self.f.read(n - len(out)) if len(out) < n else b"")
-
-
-def iter_stream_members(f, url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file of the tar read from stream ``f`` (``url`` names it in
-    errors), in archive order. Plain tars are parsed directly; compressed or unusual ones
-    (detected on the first header, before anything is yielded) go through ``tarfile``."""
-    first = f.read(_BLOCK)
-    try:
-        yield from _plain_tar_members(f, url, first)
-        return
-    except _NotPlainTar:
-        pass
-    yield from _tarfile_members(_Prefixed(first, f), url)
-
-
-def iter_tar_members(url: str) -> Iterator[tuple[str, bytes]]:
-    """``iter_stream_members`` of a tar given by its fsspec URL."""
-    fs, path = url_to_fs(url)
-    with fs.open(path, "rb") as f:
-        yield from iter_stream_members(f, url)
-
-
-def iter_tar_samples(url: str) -> Iterator[dict]:
-    """Samples of a webdataset tar (fsspec URL) in tar order: ``{"__key__": k, ext: bytes, ...}``.
-
-    Grouping follows webdataset: consecutive members with the same key form one sample. A key that
-    appears again later, or an extension twice in a sample, is an error naming the tar and key.
-    """
-    seen: set[str] = set()
-    current: dict | None = None
-    for name, data in iter_tar_members(url):
-        split = None if is_meta_member(name) else split_member_name(name)
-        if split is None:
-            continue
-        key, ext = split
-        ext = ext.lower()
-        if current is None or key != current["__key__"]:
-            if current is not None:
-                yield current
-            if key in seen:
-                raise ShardReadError(f"{url}: sample key {key!r} appears twice (members not contiguous)")
-            seen.add(key)
-            current = {"__key__": key}
-        if ext in current:
-            raise ShardReadError(f"{url}: sample {key!r} has two '{ext}' members")
-        current[ext] = data
-    if current is not None:
-        yield current
+class ShardReadError(ShardprepError, ValueError):
+    """A shard's samples are not what an img2dataset webdataset holds (bad ``.json``, no captions);
+    a tar that cannot be read at all raises ``shardprep.tars.TarReadError``."""
 
 
 def _image_ext(sample: dict) -> str | None:
@@ -321,19 +135,10 @@ def metadata_frame(keys: list[str], captions: list[str] | None, metas: list[dict
     return df.join(parsed)
 
 
-def _save_npy(url: str, array: np.ndarray) -> None:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    with atomic_write(url) as f:
-        f.write(buf.getbuffer())
-
-
 def _remove_outputs(layout: Layout, shard: str) -> None:
     # a shard that now has no samples must not keep embeddings from an earlier run
     for url in (layout.img_emb(shard), layout.text_emb(shard), layout.emb_metadata(shard)):
-        fs, path = url_to_fs(url)
-        if fs.exists(path):
-            fs.rm(path)
+        remove(url)
 
 
 @contextmanager
@@ -361,9 +166,8 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     start = time.perf_counter()
     tar_url = layout.tar(shard)
-    fs, tar_path = url_to_fs(tar_url)
     report = EmbeddingReport(shard=shard, samples=0, dim=encoder.dim, seconds=0.0)
-    if not fs.exists(tar_path):
+    if not exists(tar_url):
         _remove_outputs(layout, shard)
         report.seconds = time.perf_counter() - start
         return report
@@ -379,7 +183,7 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
 
     def batches() -> Iterator[list[dict]]:
         batch: list[dict] = []
-        for sample in iter_tar_samples(tar_url):
+        for sample in iter_samples(tar_url):
             batch.append(sample)
             if len(batch) == step:
                 yield batch
@@ -451,13 +255,11 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
     report.norm_max = float(np.nanmax(norms)) if np.isfinite(norms).any() else None
 
     df = metadata_frame(keys, captions if enable_text else None, metas)
-    _save_npy(layout.img_emb(shard), img)
+    write_npy(layout.img_emb(shard), img)
     if enable_text:
-        _save_npy(layout.text_emb(shard), arrays[1])
+        write_npy(layout.text_emb(shard), arrays[1])
     else:
-        fs_t, p_t = url_to_fs(layout.text_emb(shard))
-        if fs_t.exists(p_t):  # a text file from an earlier run would no longer align with the metadata
-            fs_t.rm(p_t)
+        remove(layout.text_emb(shard))  # a text file from an earlier run would no longer align with the metadata
     buf = io.BytesIO()
     df.to_parquet(buf)
     with atomic_write(layout.emb_metadata(shard)) as f:

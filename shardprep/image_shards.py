@@ -19,12 +19,10 @@ import io
 import json
 import logging
 import os
-import tarfile
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -37,11 +35,10 @@ from shardprep.fetch import fetch, make_pool
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
 from shardprep.resize import resize_image
-from shardprep.storage import atomic_write, url_to_fs
+from shardprep.storage import atomic_write, remove
+from shardprep.tars import TarWriter
 
 HASH_COLUMN = "sha256"  # img2dataset's default compute_hash; the column is named after it
-TAR_USER = TAR_GROUP = "bigdata"  # webdataset TarWriter's defaults
-TAR_MODE = 0o444
 
 
 @dataclass
@@ -154,33 +151,6 @@ def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int)
                 fut.cancel()
 
 
-def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
-    # the header webdataset 0.2's TarWriter.write makes
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    info.mtime = time.time()
-    info.mode = TAR_MODE
-    info.uname, info.gname = TAR_USER, TAR_GROUP
-    tar.addfile(info, io.BytesIO(payload))
-
-
-def write_sample(tar: tarfile.TarFile, key: str, members: dict[str, bytes | str]) -> int:
-    """Write one sample's members, sorted by extension like TarWriter; returns the payload bytes."""
-    total = 0
-    for ext in sorted(members):
-        v = members[ext]
-        payload = v.encode("utf-8") if isinstance(v, str) else v
-        _add_member(tar, f"{key}.{ext}", payload)
-        total += len(payload)
-    return total
-
-
-def _remove_if_exists(url: str) -> None:
-    fs, path = url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path)
-
-
 def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout) -> ShardReport:
     """Download and write shard ``shard_id`` from its input rows ``table`` (source column names)."""
     start_time = time.time()
@@ -202,7 +172,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     keys = [compute_key(i, shard_id, cfg.oom_sample, cfg.oom_shard_count) for i in range(inputs.num_rows)]
 
     # an older, complete run of this shard must not look complete while it is being rewritten
-    _remove_if_exists(layout.shard_stats(shard))
+    remove(layout.shard_stats(shard))
 
     pool = make_pool(cfg.thread_count)
     work = partial(
@@ -219,10 +189,10 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     out_cols: dict[str, list] = {name: [] for name in schema.names}
     counts: Counter = Counter()
     status_dict: Counter = Counter()
-    tar_file = None
-    tar: tarfile.TarFile | None = None
     try:
-        with ExitStack() as stack:
+        # opened at the first success: a shard without any gets no tar (and loses a stale one, which
+        # would contradict the parquet)
+        with TarWriter(layout.tar(shard), remove_stale=True) as tar:
             for i, outcome in enumerate(ordered_map(work, urls, cfg.thread_count, 2 * cfg.thread_count)):
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
@@ -237,23 +207,15 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                     out_cols[name].append(meta[name])
                 if outcome.status != "success":
                     continue
-                if tar is None:  # opened at the first success: a shard without any gets no tar
-                    tar_file = stack.enter_context(atomic_write(layout.tar(shard)))
-                    tar = stack.enter_context(tarfile.open(fileobj=tar_file, mode="w|", format=tarfile.USTAR_FORMAT))
                 members: dict[str, bytes | str] = {cfg.encode_format: outcome.image,
                                                    "json": json.dumps(meta, indent=4, default=str)}
                 if cfg.caption_col is not None:
                     caption = values["caption"][i]
                     members["txt"] = str(caption) if caption is not None else ""
-                write_sample(tar, keys[i], members)
-            if tar is not None:
-                tar.close()  # writes the end-of-archive blocks before atomic_write commits
-            tar_bytes = tar_file.tell() if tar_file is not None else 0
+                tar.add(keys[i], members)
     finally:
         pool.clear()
-    tar_written = tar is not None
-    if not tar_written:
-        _remove_if_exists(layout.tar(shard))  # a stale tar from an older run would contradict the parquet
+    tar_bytes, tar_written = tar.bytes_written, tar.count > 0
 
     with atomic_write(layout.shard_parquet(shard)) as f:
         pq.write_table(pa.Table.from_pydict(out_cols, schema=schema), f)

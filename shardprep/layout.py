@@ -99,3 +99,18 @@ class Layout:
     @property
     def report_html(self) -> str:
         return self._join("report", "index.html")
+
+    def shard_outputs(self, artifact: str, shard: str) -> list[str]:
+        """The files a per-shard artifact may write for ``shard`` (those written are recorded in its
+        stamp, so ``verify`` finds one that went missing or changed size)."""
+        return {
+            "source_parquet": lambda: [self.source_parquet(shard)],
+            "image_shards": lambda: [self.tar(shard), self.shard_parquet(shard), self.shard_stats(shard)],
+            "clip_embeddings": lambda: [self.img_emb(shard), self.text_emb(shard), self.emb_metadata(shard)],
+            "reordered_embeddings": lambda: [self.reordered_img(shard), self.reordered_text(shard)],
+            "diffusion_samples": lambda: [self.diffusion_tar(shard)],
+        }[artifact]()
+
+    # bookkeeping: which version each finished output was made with (shardprep.versions)
+    def stamp(self, artifact: str, shard: str) -> str:
+        return self._join(".shardprep", "stamps", artifact, f"{shard}.json")

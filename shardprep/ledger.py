@@ -1,29 +1,76 @@
 """The shard ledger: which rows of which source file make each shard, decided once and never changed.
 
 Stored as ``<root>/ledger.json``. Shard ids continue across source files (as img2dataset's do), so
-keys are unique in the whole dataset and a new source file only appends shards.
+keys are unique in the whole dataset and a new source file only appends shards. Rows appended to a
+registered file become new shards too (ids continuing from the ledger's next id); a file rewritten in
+place or shrunk is an error until ``reshard_source`` settles which of its shards must be redone.
+
+Format, version 2 (version 1 ledgers are read and converted; the next write is version 2)::
+
+    {"version": 2, "samples_per_shard": 10000, "oom_shard_count": 5,
+     "files": [{"source": "s3://bucket/part-00000.parquet",   # the full URL, as listed
+                "fingerprint": "123456:2024-01-01T00:00:00",  # size:mtime/etag when last registered
+                "rows": 25000,                                # rows registered (the file's count then)
+                "columns": ["url", "caption", ...],
+                "digest": {"column": "url", "head_rows": 1000, "last_row": 24999, "sha256": "..."} | null,
+                "segments": [{"first_shard": 0, "num_shards": 3, "row_start": 0, "row_stop": 25000}, ...]}]}
+
+Shard ``first_shard + i`` of a segment holds rows ``[a, min(a + samples_per_shard, row_stop))`` with
+``a = min(row_start + i * samples_per_shard, row_stop)``: every shard is full but a segment's last,
+and shards past a shrunk file's end hold no rows (their ids are kept, never reused). Segments of a
+file are contiguous: the first starts at row 0, each next one where the previous one stops.
+
+The digest lets a file whose shards were never copied be checked without its copies: sha256 over the
+``column`` values (JSON, one a line) of rows ``[0, head_rows)`` followed by row ``last_row``. It
+catches a rewrite of the file's head (where row reorders and re-exports show) or of its last
+registered row (where a file cut and regrown shows); a change elsewhere in a shard never copied goes
+unseen, and harms nothing: that shard reads the rows as they are when it is first copied.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import hashlib
 import json
 import math
-import os
+import shlex
 from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
+from shardprep.errors import ShardprepError
 from shardprep.keys import shard_key
 from shardprep.layout import Layout
-from shardprep.sources import SourceError, SourceInfo, fingerprint, inspect_source, list_source_files
-from shardprep.storage import exists, is_local, read_bytes, url_to_fs, write_bytes
+from shardprep.sources import SourceError, SourceInfo, file_fingerprint, inspect_source, list_source_files, read_rows
+from shardprep.storage import exists, lock, open_read, read_bytes, remove, url_to_fs, write_bytes
 
-LEDGER_VERSION = 1
+LEDGER_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+DIGEST_HEAD_ROWS = 1000  # a footer read plus the url column of one or two row groups per file
 
 
-class LedgerError(ValueError):
-    """The ledger disagrees with the config (e.g. samples_per_shard changed)."""
+class LedgerError(ShardprepError, ValueError):
+    """The ledger disagrees with the config (e.g. samples_per_shard changed) or with a source file."""
+
+
+def reshard_command(url: str, config_path: str | None = None) -> str:
+    config = shlex.quote(config_path) if config_path else "<config>"
+    return f"shardprep reshard --config {config} --source {shlex.quote(url)}"
+
+
+class SourceChangedError(LedgerError):
+    """A registered source file was rewritten or shrank: rows its shards were given are not there any
+    more. ``url``: the file; ``change``: what changed; ``fingerprint``: the file's fingerprint when
+    checked (a caller can skip checking it again until it changes)."""
+
+    def __init__(self, url: str, change: str, fingerprint: str, config_path: str | None = None):
+        self.url, self.change, self.fingerprint = url, change, fingerprint
+        super().__init__(
+            f"source file {url} changed after its shards were assigned: {change}. A shard's rows never "
+            f"move, so re-shard the file (shards whose rows changed are redone, the others kept): "
+            f"{reshard_command(url, config_path)}")
 
 
 @dataclass(frozen=True)
@@ -39,34 +86,61 @@ class Shard:
         return self.row_stop - self.row_start
 
 
+def _segment_rows(segment: dict, samples_per_shard: int):
+    """(shard id, row_start, row_stop) of each shard of a segment, in id order."""
+    for i in range(segment["num_shards"]):
+        start = min(segment["row_start"] + i * samples_per_shard, segment["row_stop"])
+        yield segment["first_shard"] + i, start, min(start + samples_per_shard, segment["row_stop"])
+
+
 @dataclass
 class Ledger:
     samples_per_shard: int
     oom_shard_count: int
     files: list[dict] = field(default_factory=list)
+    read_version: int = field(default=LEDGER_VERSION, compare=False)  # as read (version 1 is rewritten)
+    # key -> (shard id, source, row_start, row_stop) in id order, built on first use: shard(key) is a
+    # dict lookup (LAION: 580,000 shards); tuples, as a frozen dataclass each costs several times more
+    _index: dict[str, tuple[int, str, int, int]] | None = field(default=None, init=False, repr=False,
+                                                               compare=False)
+
+    def reindex(self) -> None:
+        """Call after changing ``files``."""
+        self._index = None
+
+    def _by_key(self) -> dict[str, tuple[int, str, int, int]]:
+        if self._index is None:
+            rows = sorted((sid, f["source"], start, stop) for f in self.files for seg in f["segments"]
+                          for sid, start, stop in _segment_rows(seg, self.samples_per_shard))
+            self._index = {shard_key(r[0], self.oom_shard_count): r for r in rows}
+        return self._index
+
+    def _shard(self, key: str, row: tuple[int, str, int, int]) -> Shard:
+        return Shard(row[0], key, row[1], row[2], row[3])
+
+    def file_shards(self, entry: dict) -> list[Shard]:
+        return [Shard(sid, shard_key(sid, self.oom_shard_count), entry["source"], start, stop)
+                for seg in entry["segments"] for sid, start, stop in _segment_rows(seg, self.samples_per_shard)]
 
     @property
     def next_shard_id(self) -> int:
-        return max((f["first_shard"] + f["num_shards"] for f in self.files), default=0)
+        return max((s["first_shard"] + s["num_shards"] for f in self.files for s in f["segments"]), default=0)
 
     def shards(self) -> list[Shard]:
-        out = []
-        for f in self.files:
-            for i in range(f["num_shards"]):
-                start = i * self.samples_per_shard
-                sid = f["first_shard"] + i
-                out.append(Shard(sid, shard_key(sid, self.oom_shard_count), f["source"], start,
-                                 min(start + self.samples_per_shard, f["rows"])))
-        return out
+        """Every shard, in id order (new shards come last, whichever file they are in)."""
+        return [self._shard(k, r) for k, r in self._by_key().items()]
 
     def shard(self, key: str) -> Shard:
-        for s in self.shards():
-            if s.key == key:
-                return s
-        raise LedgerError(f"shard {key!r} is not in the ledger (known: {len(self.shards())} shards)")
+        row = self._by_key().get(key)
+        if row is None:
+            raise LedgerError(f"shard {key!r} is not in the ledger (known: {len(self._by_key())} shards)")
+        return self._shard(key, row)
 
     def keys(self) -> list[str]:
-        return [s.key for s in self.shards()]
+        return list(self._by_key())
+
+    def entry(self, url: str) -> dict | None:
+        return next((f for f in self.files if f["source"] == url), None)
 
     def to_json(self) -> bytes:
         return json.dumps({"version": LEDGER_VERSION, "samples_per_shard": self.samples_per_shard,
@@ -77,68 +151,239 @@ class Ledger:
 class Registration:
     new_keys: list[str]
     all_keys: list[str]
-    changed_sources: list[str]  # registered earlier, since rewritten: reported, not re-sharded
     empty_sources: list[str]
+    appended_sources: list[str] = field(default_factory=list)  # registered earlier, rows appended since
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    source: str
+    invalidated: list[str]  # shards whose rows changed: copies removed, to be redone
+    emptied: list[str]  # of those, the ones now past the file's end: 0 rows
+    new_keys: list[str]  # rows beyond the registered ones
+    rows_before: int
+    rows_after: int
+
+    def summary(self) -> str:
+        """One line for people: what changed and which shards run next."""
+        def listed(keys: list[str]) -> str:
+            return f" ({', '.join(keys)})" if keys else ""
+
+        return (f"re-sharded {self.source}: {self.rows_before} -> {self.rows_after} rows; "
+                f"{len(self.invalidated)} shard(s) to redo{listed(self.invalidated)}"
+                + (f", {len(self.emptied)} of them now empty" if self.emptied else "")
+                + f", {len(self.new_keys)} new shard(s){listed(self.new_keys)}")
+
+
+# ---------------------------------------------------------------- reading and writing the ledger
+
+
+def _file_from_v1(f: dict) -> dict:
+    # version 1: one run of shards per file, from row 0
+    segments = [{"first_shard": f["first_shard"], "num_shards": f["num_shards"], "row_start": 0,
+                 "row_stop": f["rows"]}] if f["num_shards"] else []
+    return {"source": f["source"], "fingerprint": f["fingerprint"], "rows": f["rows"], "columns": f["columns"],
+            "digest": None, "segments": segments}
 
 
 def load_ledger(layout: Layout) -> Ledger | None:
     if not exists(layout.ledger):
         return None
     raw = json.loads(read_bytes(layout.ledger))
-    return Ledger(raw["samples_per_shard"], raw["oom_shard_count"], raw["files"])
+    version = raw.get("version", 1)
+    if version not in READABLE_VERSIONS:
+        raise LedgerError(f"{layout.ledger} has format version {version}; this shardprep reads versions "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}: a newer shardprep wrote it, upgrade shardprep")
+    files = raw["files"] if version == 2 else [_file_from_v1(f) for f in raw["files"]]
+    return Ledger(raw["samples_per_shard"], raw["oom_shard_count"], files, read_version=version)
 
 
-@contextlib.contextmanager
-def _lock(layout: Layout):
-    """Serialise ledger updates between processes on one machine (sensor, CLI)."""
-    if not is_local(layout.root):
-        yield
-        return
-    fs, root = url_to_fs(layout.root)
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, ".ledger.lock"), "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _open_ledger(cfg: DatasetConfig, layout: Layout) -> Ledger:
+    """The ledger (a new empty one if there is none), checked against the config."""
+    ledger = load_ledger(layout) or Ledger(cfg.samples_per_shard, cfg.oom_shard_count)
+    for name in ("samples_per_shard", "oom_shard_count"):
+        if getattr(ledger, name) != getattr(cfg, name):
+            raise LedgerError(
+                f"config field '{name}' is {getattr(cfg, name)} but the ledger at {layout.ledger} was "
+                f"made with {getattr(ledger, name)}; shard ids never change, use a new output_root"
+            )
+    return ledger
 
 
-def register_sources(cfg: DatasetConfig, source_files: list[str] | None = None) -> Registration:
-    """Give shard ids to source files not yet in the ledger. All new files are checked first:
-    if one is bad, the ledger is left as it was and the error names the file."""
+# ---------------------------------------------------------------- checking a registered file's rows
+
+
+def _digest_sha(url: str, column: str, head_rows: int, last_row: int) -> str:
+    head = read_rows(url, 0, head_rows, [column])[column].to_pylist()
+    if last_row < head_rows:
+        last = head[last_row]
+    else:
+        last = read_rows(url, last_row, last_row + 1, [column])[column][0].as_py()
+    h = hashlib.sha256()
+    for value in [*head, last]:
+        h.update(json.dumps(value, default=str).encode() + b"\n")
+    return h.hexdigest()
+
+
+def source_digest(url: str, rows: int, column: str) -> dict | None:
+    """The digest of a file's first rows and its last registered row (see the module docstring)."""
+    if rows == 0:
+        return None
+    head = min(rows, DIGEST_HEAD_ROWS)
+    return {"column": column, "head_rows": head, "last_row": rows - 1,
+            "sha256": _digest_sha(url, column, head, rows - 1)}
+
+
+def _same_rows(a: pa.Table, b: pa.Table) -> bool:
+    # full rows: the same columns in the same order, the same types and values (chunking aside)
+    return (a.num_rows == b.num_rows and a.column_names == b.column_names
+            and all(a.column(i).equals(b.column(i)) for i in range(a.num_columns)))
+
+
+def _differs_from_copy(shard: Shard, layout: Layout) -> bool:
+    """Whether the shard's rows in its source file now differ from its copy (source_parquet's output).
+    No copy: nothing was made from the shard yet (every later asset reads the copy), so nothing to redo."""
+    copy = layout.source_parquet(shard.key)
+    if shard.rows == 0 or not exists(copy):
+        return False
+    with open_read(copy) as f:
+        copied = pq.read_table(f)
+    return not _same_rows(read_rows(shard.source, shard.row_start, shard.row_stop), copied)
+
+
+def _rows(start: int, stop: int) -> str:
+    return f"row {start}" if stop - start == 1 else f"rows {start}-{stop - 1}"
+
+
+def _find_change(ledger: Ledger, entry: dict, info: SourceInfo, layout: Layout) -> str | None:
+    """What changed in the registered rows of a file (None: they are all as registered, so any rows
+    after them were appended). Cheap checks first; the copies locate a change to the shard."""
+    if list(info.columns) != entry["columns"]:
+        return f"columns changed: were {entry['columns']}, now {list(info.columns)}"
+    if info.rows < entry["rows"]:
+        return f"now {info.rows} rows, {entry['rows']} were registered"
+    for shard in ledger.file_shards(entry):
+        if _differs_from_copy(shard, layout):
+            return (f"{_rows(shard.row_start, shard.row_stop)} (shard {shard.key}) changed: they differ from "
+                    f"their copy {layout.source_parquet(shard.key)}")
+    digest = entry.get("digest")
+    if digest and _digest_sha(info.url, digest["column"], digest["head_rows"], digest["last_row"]) != digest["sha256"]:
+        return (f"{_rows(0, entry['rows'])} changed: the digest of their {digest['column']!r} values "
+                f"({_rows(0, digest['head_rows'])} and row {digest['last_row']}) differs from the one taken at "
+                "registration")
+    return None
+
+
+def _extend(entry: dict, info: SourceInfo, first_shard: int, cfg: DatasetConfig) -> list[str]:
+    """Give the file's rows beyond ``entry['rows']`` new shards from ``first_shard`` on (a short last
+    shard stays short: appended rows never refill it) and record the file as it is now."""
+    old = entry["rows"]
+    n = math.ceil((info.rows - old) / cfg.samples_per_shard) if info.rows > old else 0
+    if n:
+        entry["segments"].append({"first_shard": first_shard, "num_shards": n, "row_start": old,
+                                  "row_stop": info.rows})
+    entry.update(fingerprint=info.fingerprint, rows=info.rows, columns=list(info.columns),
+                 digest=source_digest(info.url, info.rows, cfg.url_col))
+    return [shard_key(first_shard + i, cfg.oom_shard_count) for i in range(n)]
+
+
+# ---------------------------------------------------------------- registering and re-sharding
+
+
+def register_sources(cfg: DatasetConfig, source_files: list[str] | None = None, *,
+                     config_path: str | None = None) -> Registration:
+    """Give shard ids to source files not yet in the ledger, and to rows appended to registered ones.
+
+    Every file is checked first: if one is bad (unreadable, a column missing, rewritten or shrunk
+    since registration: SourceChangedError), the ledger is left as it was and the error names the
+    file. ``config_path`` goes into the re-shard command such an error shows."""
     layout = Layout(cfg.output_root)
     files = list_source_files(cfg.source) if source_files is None else source_files
-    with _lock(layout):
-        ledger = load_ledger(layout) or Ledger(cfg.samples_per_shard, cfg.oom_shard_count)
-        for name in ("samples_per_shard", "oom_shard_count"):
-            if getattr(ledger, name) != getattr(cfg, name):
-                raise LedgerError(
-                    f"config field '{name}' is {getattr(cfg, name)} but the ledger at {layout.ledger} was "
-                    f"made with {getattr(ledger, name)}; shard ids never change, use a new output_root"
-                )
+    with lock(layout.root, "ledger"):
+        ledger = _open_ledger(cfg, layout)
         known = {f["source"]: f for f in ledger.files}
-        changed, fresh = [], []
+        grown: list[tuple[dict, SourceInfo]] = []
+        fresh = []
         for url in files:
-            if url in known:
-                fs, path = url_to_fs(url)
-                if fingerprint(fs.info(path)) != known[url]["fingerprint"]:
-                    changed.append(url)
-                continue
-            fresh.append(url)
-        infos: list[SourceInfo] = [inspect_source(u, cfg) for u in fresh]  # raises before any write
-        next_id, new_keys, empty = ledger.next_shard_id, [], []
+            entry = known.get(url)
+            if entry is None:
+                fresh.append(url)
+            elif file_fingerprint(url) != entry["fingerprint"]:  # unchanged files cost one info call
+                info = inspect_source(url, cfg)
+                change = _find_change(ledger, entry, info, layout)
+                if change:
+                    raise SourceChangedError(url, change, info.fingerprint, config_path)
+                grown.append((entry, info))
+        infos = [inspect_source(u, cfg) for u in fresh]  # raises before any write
+
+        next_id, new_keys, appended, empty = ledger.next_shard_id, [], [], []
+        for entry, info in grown:
+            keys = _extend(entry, info, next_id, cfg)
+            appended += [info.url] if keys else []
+            new_keys, next_id = new_keys + keys, next_id + len(keys)
         for info in infos:
-            n = math.ceil(info.rows / cfg.samples_per_shard)
-            if n == 0:
-                empty.append(info.url)
-            ledger.files.append({"source": info.url, "fingerprint": info.fingerprint, "rows": info.rows,
-                                 "first_shard": next_id, "num_shards": n, "columns": list(info.columns)})
-            new_keys += [shard_key(next_id + i, cfg.oom_shard_count) for i in range(n)]
-            next_id += n
-        if infos or load_ledger(layout) is None:
+            entry = {"source": info.url, "fingerprint": info.fingerprint, "rows": 0, "columns": list(info.columns),
+                     "digest": None, "segments": []}
+            ledger.files.append(entry)
+            keys = _extend(entry, info, next_id, cfg)
+            empty += [] if keys else [info.url]
+            new_keys, next_id = new_keys + keys, next_id + len(keys)
+        ledger.reindex()
+        if grown or infos or ledger.read_version != LEDGER_VERSION or not exists(layout.ledger):
             write_bytes(layout.ledger, ledger.to_json())
-    return Registration(new_keys, ledger.keys(), changed, empty)
+    return Registration(new_keys, ledger.keys(), empty, appended)
 
 
-__all__ = ["Ledger", "LedgerError", "Registration", "Shard", "SourceError", "load_ledger", "register_sources"]
+def _as_source_url(url: str) -> str:
+    # the ledger holds sources as listed (full URLs): a plain path names the same file
+    fs, path = url_to_fs(url)
+    return fs.unstrip_protocol(path)
+
+
+def _clamp(entry: dict, rows: int) -> None:
+    """Cut the file's segments at ``rows``: a shard across the end gets shorter, shards past it empty."""
+    for seg in entry["segments"]:
+        seg["row_start"], seg["row_stop"] = min(seg["row_start"], rows), min(seg["row_stop"], rows)
+    entry["rows"] = min(entry["rows"], rows)
+
+
+def reshard_source(cfg: DatasetConfig, url: str, *,
+                   on_invalidated: Callable[[list[str]], None] | None = None) -> ReshardResult:
+    """Settle a registered source file that was rewritten or shrunk, keeping every shard id.
+
+    Shards keep their row ranges; one whose rows changed (its copy differs from the file now) or that
+    the file's new end cuts short is invalidated: its copy ``<root>/parquet/{shard}.parquet`` is
+    removed, so it is read again. Shards past a shrunk file's end hold no rows from now on; rows past
+    the registered ones become new shards. The fingerprint and digest are taken anew.
+
+    ``on_invalidated(keys)`` runs after the ledger is written and before the copies are removed (the
+    orchestration wipes the shards' materializations there): if anything stops before the copies are
+    gone, running this again finds the same shards, by their copies."""
+    layout = Layout(cfg.output_root)
+    url = _as_source_url(url)
+    with lock(layout.root, "ledger"):
+        ledger = _open_ledger(cfg, layout)
+        entry = ledger.entry(url)
+        if entry is None:
+            raise LedgerError(f"source file {url} is not in the ledger {layout.ledger}: only registered files "
+                              "can be re-sharded (`shardprep run` registers new ones)")
+        info = inspect_source(url, cfg)
+        before, rows_before = ledger.file_shards(entry), entry["rows"]
+        _clamp(entry, info.rows)
+        invalidated, emptied = [], []
+        for old, now in zip(before, ledger.file_shards(entry)):
+            if (now.row_start, now.row_stop) != (old.row_start, old.row_stop) or _differs_from_copy(now, layout):
+                invalidated.append(now.key)
+                emptied += [now.key] if now.rows == 0 else []
+        new_keys = _extend(entry, info, ledger.next_shard_id, cfg)
+        ledger.reindex()
+        write_bytes(layout.ledger, ledger.to_json())
+        if on_invalidated and invalidated:
+            on_invalidated(invalidated)
+        for key in invalidated:
+            remove(layout.source_parquet(key))
+    return ReshardResult(url, invalidated, emptied, new_keys, rows_before, info.rows)
+
+
+__all__ = ["Ledger", "LedgerError", "Registration", "ReshardResult", "Shard", "SourceChangedError", "SourceError",
+           "load_ledger", "register_sources", "reshard_command", "reshard_source", "source_digest"]

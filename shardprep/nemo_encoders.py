@@ -1,7 +1,7 @@
 """Text and image encoders for the NeMo writers, each model loaded once per process.
 
 * ``T5TextEncoder``: ``T5TokenizerFast`` + ``T5EncoderModel`` (any HF folder or name, e.g.
-  google-t5/t5-11b or ``nemo_models.build_tiny_t5``), encoding exactly like NeMo's
+  google-t5/t5-11b or ``tests.fixtures.tiny_nemo.build_tiny_t5``), encoding exactly like NeMo's
   ``prepare_energon_dataset.encode_for_batch``: pad to ``max_length``, ``last_hidden_state``,
   positions past the real length dropped, float16.
 * ``ClipTextEncoder``: ``CLIPTokenizer`` + ``CLIPTextModel`` like NeMo's ``FrozenCLIPEmbedder``
@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardprep.encoders import resolve_device
+from shardprep.errors import ShardprepError
 
 # Real model loads in this process (the cache makes repeated loads free); tests assert on it.
 LOAD_COUNT = 0
@@ -37,7 +38,7 @@ COSMOS_PREFIX = "cosmos:"
 LATENT_OUTPUTS = ("mean", "parameters")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ShardprepError, RuntimeError):
     """A configured model could not be loaded (missing folder, wrong kind of checkpoint, ...)."""
 
 

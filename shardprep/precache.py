@@ -24,18 +24,17 @@ and key (balanced tars hold images img2dataset already decoded). Non-finite enco
 from __future__ import annotations
 
 import pickle
-import tarfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
-from shardprep.embeddings import IMAGE_EXTS, iter_tar_samples
-from shardprep.image_shards import write_sample
+from shardprep.embeddings import IMAGE_EXTS
+from shardprep.errors import ShardprepError
 from shardprep.nemo_encoders import preprocess_image
-from shardprep.storage import atomic_write, url_to_fs
+from shardprep.storage import exists
+from shardprep.tars import TarWriter, iter_samples
 
 if TYPE_CHECKING:
     from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder
@@ -44,7 +43,7 @@ IMAGE_KEY = "autoencoderkl_image"
 TEXT_KEY = "clip-vit-large-patch14_text"
 
 
-class PrecacheError(ValueError):
+class PrecacheError(ShardprepError, ValueError):
     """A balanced tar cannot be precached without dropping a sample."""
 
 
@@ -59,12 +58,6 @@ class PrecacheReport:
     tar_written: bool = False
     tar_bytes: int = 0
     seconds: float = 0.0
-
-
-def _remove_if_exists(url: str) -> None:
-    fs, path = url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path)
 
 
 def _batches(items: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -90,11 +83,10 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     start = time.perf_counter()
     report = PrecacheReport(input_url=balanced_tar_url, output_url=out_url)
-    fs, path = url_to_fs(balanced_tar_url)
-    if not fs.exists(path):
+    if not exists(balanced_tar_url):
         raise FileNotFoundError(f"balanced tar {balanced_tar_url} does not exist")
 
-    def encode(batch: list[dict], tar: tarfile.TarFile) -> None:
+    def encode(batch: list[dict], out: TarWriter) -> None:
         images = []
         for s in batch:
             try:
@@ -113,7 +105,7 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
             if keep_original:
                 members[s["__ext__"]] = s[s["__ext__"]]
                 members["txt"] = s["txt"]
-            write_sample(tar, s["__key__"], members)
+            out.add(s["__key__"], members)
             report.samples += 1
             report.image_shape, report.text_shape = list(img.shape), list(txt.shape)
 
@@ -130,20 +122,11 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
         s["__ext__"] = ext
         return s
 
-    # streamed batch by batch; an error mid-way leaves no output (atomic_write drops its temp file)
-    with ExitStack() as stack:
-        f = tar = None
-        for batch in _batches(map(checked, iter_tar_samples(balanced_tar_url)), batch_size):
-            if tar is None:  # opened at the first sample: never an empty tar
-                f = stack.enter_context(atomic_write(out_url))
-                tar = stack.enter_context(tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT))
-            encode(batch, tar)
-        if tar is None:
-            _remove_if_exists(out_url)
-            report.seconds = time.perf_counter() - start
-            return report
-        tar.close()  # end-of-archive blocks before atomic_write commits
-        report.tar_bytes = f.tell()
-    report.tar_written = True
+    # streamed batch by batch; an error mid-way leaves no output. Opened at the first sample: never an
+    # empty tar (a stale one is removed)
+    with TarWriter(out_url, remove_stale=True) as out:
+        for batch in _batches(map(checked, iter_samples(balanced_tar_url)), batch_size):
+            encode(batch, out)
+    report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
     report.seconds = time.perf_counter() - start
     return report

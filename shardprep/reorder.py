@@ -14,12 +14,13 @@ from typing import Sequence
 
 import numpy as np
 
+from shardprep.errors import ShardprepError
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.storage import atomic_write, url_to_fs
 
 
-class ReorderError(ValueError):
+class ReorderError(ShardprepError, ValueError):
     """Embeddings and keys of a shard cannot be laid out by key index."""
 
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
-from shardprep.storage import atomic_write, is_local, url_to_fs
+from shardprep.storage import atomic_write, read_npy, url_to_fs
 
 ROWS_PER_SHARD = 2000
 PARQUET_COLUMNS = ("status", "original_width", "original_height", "caption")
@@ -88,14 +88,6 @@ def _spaced(n: int, k: int) -> np.ndarray:
     return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).astype(np.int64))
 
 
-def _load_npy(url: str) -> np.ndarray:
-    fs, path = url_to_fs(url)
-    if is_local(url):
-        return np.load(path, mmap_mode="r")  # only the sampled rows are read from disk
-    with fs.open(path, "rb") as f:
-        return np.load(io.BytesIO(f.read()))
-
-
 def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int = ROWS_PER_SHARD) -> ReportData:
     """Read what every shard has written so far. ``shards`` defaults to the ledger's; a shard whose
     outputs are missing is counted as not processed, a shard whose files cannot be read is named in
@@ -146,7 +138,7 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
         emb_fs, emb_path = url_to_fs(layout.img_emb(key))
         if emb_fs.exists(emb_path):
             try:
-                emb = _load_npy(layout.img_emb(key))
+                emb = read_npy(layout.img_emb(key), mmap=True)  # locally only the sampled rows are read
                 fig.embeddings, dim = int(emb.shape[0]), int(emb.shape[1])
                 sample = np.asarray(emb[_spaced(emb.shape[0], rows_per_shard)], dtype=np.float32)
                 norms.append(np.linalg.norm(sample, axis=1))

@@ -8,10 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
+from shardprep.errors import ShardprepError
 from shardprep.storage import url_to_fs
 
 
-class SourceError(ValueError):
+class SourceError(ShardprepError, ValueError):
     """A source file is unreachable, not parquet, or lacks a configured column."""
 
 
@@ -24,7 +25,10 @@ class SourceInfo:
 
 
 def list_source_files(source: str) -> list[str]:
-    """Every parquet file the source names, as full URLs, sorted (a stable shard order)."""
+    """Every parquet file the source names, as full URLs, sorted (a stable shard order).
+
+    A source that names no file (a glob matching nothing, a folder without parquet files) is an error
+    at once: a typo there would otherwise make an empty dataset and fail much later, far from its cause."""
     try:
         fs, path = url_to_fs(source)
     except Exception as e:  # bad protocol, missing driver, bad credentials
@@ -42,7 +46,12 @@ def list_source_files(source: str) -> list[str]:
         raise
     except Exception as e:  # network errors, permission errors
         raise SourceError(f"source {source!r}: cannot list: {e}") from e
-    return sorted({fs.unstrip_protocol(p) for p in paths if not fs.isdir(p)})
+    files = sorted({fs.unstrip_protocol(p) for p in paths if not fs.isdir(p)})
+    if not files:
+        raise SourceError(f"source {source!r} matched no file (no parquet file there); check config field "
+                          "'source': a parquet file, a folder holding parquet files, or a glob such as "
+                          "'.../*.parquet'")
+    return files
 
 
 def fingerprint(info: dict) -> str:
@@ -52,6 +61,15 @@ def fingerprint(info: dict) -> str:
         if v is not None:
             return f"{info.get('size')}:{getattr(v, 'oid', v)}"
     return str(info.get("size"))
+
+
+def file_fingerprint(url: str) -> str:
+    """The fingerprint of the file at ``url`` now (one ``info`` call, no read)."""
+    fs, path = url_to_fs(url)
+    try:
+        return fingerprint(fs.info(path))
+    except FileNotFoundError:
+        raise SourceError(f"source file {url}: not found") from None
 
 
 def required_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
@@ -84,8 +102,9 @@ def inspect_source(url: str, cfg: DatasetConfig) -> SourceInfo:
     return SourceInfo(url=url, rows=meta.num_rows, fingerprint=fingerprint(info), columns=columns)
 
 
-def read_rows(url: str, start: int, stop: int) -> pa.Table:
-    """Rows [start, stop) of a parquet file, reading only the row groups that hold them."""
+def read_rows(url: str, start: int, stop: int, columns: list[str] | None = None) -> pa.Table:
+    """Rows [start, stop) of a parquet file, reading only the row groups that hold them (and only
+    ``columns``, when given)."""
     fs, path = url_to_fs(url)
     with fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
@@ -97,6 +116,7 @@ def read_rows(url: str, start: int, stop: int) -> pa.Table:
                 first = offset if first is None else first
             offset += n
         if not groups:
-            return pf.schema_arrow.empty_table()
-        table = pf.read_row_groups(groups)
+            empty = pf.schema_arrow.empty_table()
+            return empty if columns is None else empty.select(columns)
+        table = pf.read_row_groups(groups, columns=columns)
     return table.slice(start - first, stop - start)

@@ -1,14 +1,33 @@
-"""fsspec storage helpers: atomic writes (temp + rename) that work on local disk and object stores."""
+"""Every byte shardprep reads or writes under an output root goes through here, on fsspec: local disk,
+``memory://`` and ``s3://`` behave the same.
+
+Writes are atomic: readers see the old file or the complete new one, never a part. Locally a hidden
+temp file beside the target is fsynced and renamed over it; on object stores a local temp file is
+uploaded in one put (objects appear atomically). A temp file's name carries its writer
+(``.{name}.tmp-{random}-{pid}@{host}``), so a later writer removes only the temps of writers that are
+gone, never those of a live one working on the same target.
+"""
+
+from __future__ import annotations
 
 import contextlib
+import fcntl
+import io
 import os
+import shutil
+import socket
 import tempfile
+import time
 import uuid
 from typing import IO, Iterator
 
 import fsspec
+import numpy as np
 
 TEMP_MARK = ".tmp-"
+# a temp file of a writer on another machine is removed once it is this old (its writer cannot be asked)
+FOREIGN_TEMP_SECONDS = 6 * 3600
+_HOST = socket.gethostname()
 
 
 def url_to_fs(url: str):
@@ -25,29 +44,117 @@ def exists(url: str) -> bool:
     return fs.exists(path)
 
 
+def remove(url: str) -> bool:
+    """Delete the file at ``url`` if there is one; True if something was deleted."""
+    fs, path = url_to_fs(url)
+    if not fs.exists(path):
+        return False
+    fs.rm(path)
+    return True
+
+
+def remove_tree(url: str) -> bool:
+    """Delete a folder and everything under it, if it exists; True if something was deleted."""
+    fs, path = url_to_fs(url)
+    if not fs.exists(path):
+        return False
+    fs.rm(path, recursive=True)
+    return True
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts])
+
+
+def stat(url: str) -> tuple[int, str]:
+    """(size, modification stamp) of a file; the stamp changes whenever the file is rewritten."""
+    fs, path = url_to_fs(url)
+    if is_local(url):
+        st = os.stat(path)  # nanoseconds: fsspec's local mtime is a float of seconds
+        return st.st_size, str(st.st_mtime_ns)
+    info = fs.info(path)
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("ETag") or ""
+    return int(info["size"]), str(stamp)
+
+
+# ---------------------------------------------------------------- temp files and their writers
+
+
 def _temp_name(path: str) -> str:
     head, base = os.path.split(path)
-    return os.path.join(head, f".{base}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+    return os.path.join(head, f".{base}{TEMP_MARK}{uuid.uuid4().hex[:12]}-{os.getpid()}@{_HOST}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with this pid exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def writer_gone(temp_name: str, mtime: float | None = None, now: float | None = None) -> bool:
+    """Whether the writer that named this temp file is gone: a dead process on this host, or (on
+    another host, which cannot be asked) a file untouched for ``FOREIGN_TEMP_SECONDS``."""
+    tail = temp_name.rsplit(TEMP_MARK, 1)[-1]
+    _, _, owner = tail.partition("-")
+    pid, _, host = owner.partition("@")
+    if not pid.isdigit() or not host:
+        return True  # not a name of ours: an older release's temp, whose writer is long gone
+    if host == _HOST:
+        return not pid_alive(int(pid))
+    return mtime is not None and (now or time.time()) - mtime > FOREIGN_TEMP_SECONDS
+
+
+def _mtime(info: dict) -> float | None:
+    value = info.get("mtime") or info.get("LastModified") or info.get("created")
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def remove_temps(url: str) -> int:
-    """Delete temp files a crashed writer of ``url`` left behind; returns how many."""
+    """Delete the temp files that gone writers of ``url`` left behind; returns how many."""
     fs, path = url_to_fs(url)
     head, base = os.path.split(path)
     if not fs.exists(head):
         return 0
-    stale = fs.glob(f"{head}/.{base}{TEMP_MARK}*")
-    for p in stale:
-        fs.rm(p)
-    return len(stale)
+    removed = 0
+    for p, info in fs.glob(f"{head}/.{base}{TEMP_MARK}*", detail=True).items():
+        if writer_gone(os.path.basename(p), _mtime(info)):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(p)
+                removed += 1
+    return removed
+
+
+def remove_temps_under(root_url: str) -> int:
+    """``remove_temps`` for every target under ``root_url`` (a folder), all depths."""
+    fs, root = url_to_fs(root_url)
+    if not fs.exists(root):
+        return 0
+    removed = 0
+    for p, info in fs.find(root, detail=True, withdirs=False).items():
+        name = os.path.basename(p)
+        if name.startswith(".") and TEMP_MARK in name and writer_gone(name, _mtime(info)):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(p)
+                removed += 1
+    return removed
+
+
+# ---------------------------------------------------------------- writing
 
 
 @contextlib.contextmanager
 def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
     """Write ``url`` so readers see either the old file or the complete new one, never a part.
 
-    Local files: a hidden temp file beside the target, fsynced, then ``os.replace``.
-    Object stores: a local temp file uploaded in one put (objects appear atomically).
+    An exception inside the block (or a kill) publishes nothing; the temp file goes with it (a kill's
+    temp is removed by the next writer of the same target).
     """
     fs, path = url_to_fs(url)
     remove_temps(url)
@@ -78,12 +185,96 @@ def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
             os.remove(tmp)
 
 
+def publish_file(local_path: str, url: str) -> None:
+    """Copy a finished local file to ``url`` atomically (e.g. a sqlite database built in a temp dir)."""
+    with atomic_write(url) as out, open(local_path, "rb") as src:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
+def fetch_file(url: str, local_path: str) -> None:
+    """Copy the file at ``url`` to a local path (e.g. a sqlite database to update in a temp dir)."""
+    fs, path = url_to_fs(url)
+    fs.get_file(path, local_path)
+
+
 def write_bytes(url: str, data: bytes) -> None:
     with atomic_write(url) as f:
         f.write(data)
+
+
+# ---------------------------------------------------------------- reading
 
 
 def read_bytes(url: str) -> bytes:
     fs, path = url_to_fs(url)
     with fs.open(path, "rb") as f:
         return f.read()
+
+
+def read_text(url: str) -> str | None:
+    """The UTF-8 text of ``url``, or None when there is no such file."""
+    fs, path = url_to_fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        return None
+
+
+def open_read(url: str) -> IO[bytes]:
+    """A binary stream of ``url`` (close it, or use it in a ``with``)."""
+    fs, path = url_to_fs(url)
+    return fs.open(path, "rb")
+
+
+def read_npy(url: str, mmap: bool = False) -> np.ndarray:
+    """An ``.npy`` array; ``mmap=True`` maps a local file instead of reading it (only the rows used are
+    read from disk); other filesystems read the whole file either way."""
+    if mmap and is_local(url):
+        _, path = url_to_fs(url)
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    return np.load(io.BytesIO(read_bytes(url)), allow_pickle=False)
+
+
+def read_parquet(url: str, columns: list[str] | None = None):
+    """A parquet file as a pyarrow Table (only ``columns`` when given)."""
+    import pyarrow.parquet as pq
+
+    with open_read(url) as f:
+        return pq.read_table(f, columns=columns)
+
+
+def write_parquet(url: str, table) -> None:
+    import pyarrow.parquet as pq
+
+    with atomic_write(url) as f:
+        pq.write_table(table, f)
+
+
+def write_npy(url: str, array: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    with atomic_write(url) as f:
+        f.write(buf.getbuffer())
+
+
+# ---------------------------------------------------------------- locks
+
+
+@contextlib.contextmanager
+def lock(root_url: str, name: str) -> Iterator[None]:
+    """Serialise a read-modify-write of a file under ``root_url`` between processes of one machine
+    (``flock`` on ``{root}/.shardprep/locks/{name}.lock``). Object stores have no lock here: there, one process
+    at a time must update a given file (the Dagster run that owns it)."""
+    if not is_local(root_url):
+        yield
+        return
+    _, root = url_to_fs(root_url)
+    folder = os.path.join(root, ".shardprep", "locks")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

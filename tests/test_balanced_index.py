@@ -25,10 +25,10 @@ import yaml
 from PIL import Image
 
 from shardprep.balanced import incomplete_marker, update_balanced_shards
-from shardprep.energon_index import assign_splits, collapse_names, find_tars, read_tar_idx, update_energon_index
-from shardprep.image_shards import write_sample
+from shardprep.energon import assign_splits, collapse_names, find_tars, read_tar_idx, update_energon_index
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
+from shardprep.tars import TarWriter
 from shardprep.wdinfo import write_wdinfo
 
 ENERGON = str(Path(sys.executable).with_name("energon"))
@@ -55,10 +55,9 @@ def write_shards(layout: Layout, spec: dict[int, list[int]]) -> dict[str, list[s
         if not keys:
             continue  # no success: no tar, as write_image_shard does
         Path(layout.images_dir).mkdir(parents=True, exist_ok=True)
-        with tarfile.open(layout.tar(shard), "w", format=tarfile.USTAR_FORMAT) as tar:
+        with TarWriter(layout.tar(shard)) as tar:
             for key in keys:
-                write_sample(tar, key, {"jpg": _jpeg(int(key)), "json": json.dumps({"key": key}),
-                                        "txt": f"caption of {key}"})
+                tar.add(key, {"jpg": _jpeg(int(key)), "json": json.dumps({"key": key}), "txt": f"caption of {key}"})
     return out
 
 
@@ -390,6 +389,45 @@ def test_incremental_index_keeps_existing_files(image_dataset, balanced, tmp_pat
     assert r4.kept_tars == [] and sorted(r4.scanned_tars) == sorted(r3.tars) and r4.splits == r3.splits
     assert {t: (copy / f"{t}.idx").stat().st_mtime_ns for t in r3.tars} == idx_now
     assert r4.uuid != r3.uuid and _sqlite_rows(copy) == rows_now
+
+
+def test_full_disk_while_publishing_the_sqlite_keeps_the_previous_index(image_dataset, tmp_path, monkeypatch):
+    import errno
+
+    from shardprep import storage
+
+    dataset, report = image_dataset
+    copy = tmp_path / "full"
+    copy.mkdir()
+    for t in report.tars:
+        shutil.copy(dataset / t, copy / t)
+    first = update_energon_index(str(copy), sample_type="captioning", tars=report.tars[:3])
+    meta = copy / ".nv-meta"
+    before = (meta / "index.sqlite").read_bytes()
+    real_copy = storage.shutil.copyfileobj
+
+    def full_disk(src, dst, *args):
+        if ".index.sqlite" + storage.TEMP_MARK not in getattr(dst, "name", ""):
+            return real_copy(src, dst, *args)
+        dst.write(src.read(4096))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage.shutil, "copyfileobj", full_disk)
+    with pytest.raises(OSError) as err:
+        update_energon_index(str(copy), sample_type="captioning")  # all 5 tars: the sqlite changes
+    assert err.value.errno == errno.ENOSPC
+    assert (meta / "index.sqlite").read_bytes() == before
+    assert not [p.name for p in meta.iterdir() if storage.TEMP_MARK in p.name]
+    keys = [k for batch in _energon_loader(str(copy), "train") for k in batch.__key__]
+    assert sorted(keys) == sorted(k for t in first.tars for k in tar_keys(str(copy / t)))  # still loadable
+
+    monkeypatch.undo()
+    (meta / f".index.sqlite{storage.TEMP_MARK}0123456789ab").write_bytes(b"left by an older release")
+    again = update_energon_index(str(copy), sample_type="captioning")
+    assert again.tars == report.tars and again.kept_tars == first.tars and again.index_changed
+    assert not [p.name for p in meta.rglob("*") if storage.TEMP_MARK in p.name]
+    keys = [k for batch in _energon_loader(str(copy), "train") for k in batch.__key__]
+    assert sorted(keys) == sorted(k for t in report.tars for k in tar_keys(str(copy / t)))
 
 
 def test_index_refuses_duplicate_keys_and_empty_tars(tmp_path):

@@ -1,21 +1,18 @@
 """A failed blocking check stops downstream work in the run and says why."""
 
 import io
-import sys
 import tarfile
 from pathlib import Path
 
 import dagster as dg
 import numpy as np
 
-from conftest import CHECKOUT, write_config
-from shardprep import synthetic
+from definitions import build_defs
+from orchestration.runner import run_pipeline
 from shardprep.checks import check_clip_embeddings, check_image_shard, check_reordered_embeddings
 from shardprep.layout import Layout
-
-sys.path.insert(0, str(CHECKOUT))
-from definitions import build_defs  # noqa: E402
-from orchestration.runner import run_pipeline  # noqa: E402
+from tests.fixtures import synthetic
+from tests.fixtures.configs import write_config
 
 
 def _drop_first_sample(tar_path: str) -> str:
@@ -63,7 +60,7 @@ def test_failed_check_blocks_downstream(tmp_path, image_site, tiny_clip_dir):
 
     (evaluation,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "tar_matches_parquet"]
     assert not evaluation.passed and evaluation.partition == "00000"
-    assert "tar has 19 samples, parquet says 20" in evaluation.description and lost in evaluation.description
+    assert "19 samples, the parquet has 20 successes" in evaluation.description and lost in evaluation.description
     assert result.asset_materializations_for_node("clip_embeddings") == []  # blocked, never ran
     assert not Path(layout.img_emb("00000")).exists()
 

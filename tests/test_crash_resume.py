@@ -8,58 +8,93 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import webdataset as wds
 
-from conftest import CHECKOUT, write_config
-from shardprep import synthetic
 from shardprep.layout import Layout
+from tests.fixtures import synthetic
+from tests.fixtures.configs import CHECKOUT, write_config
+from tests.fixtures.http_server import serve_directory
 
 
 def _shardprep(config: str, home: Path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    return subprocess.Popen([sys.executable, "-m", "shardprep.cli", "--code-location", str(CHECKOUT), "run",
+    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", "run",
                              "--config", config, "--no-progress"], env=env, cwd=CHECKOUT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_killed_run_resumes_to_complete_outputs(tmp_path, tiny_clip_dir):
+@pytest.fixture
+def slow_dataset(tmp_path, tiny_clip_dir):
+    """A source of 20-row shards whose images answer after 0.5 s each (4 download threads: ~2.5 s a
+    shard), served while the test runs; yields (config, layout, DAGSTER_HOME)."""
     site = tmp_path / "site"
     synthetic.make_demo_site(str(site), n_images=60, seed=2)
-    base_url, stop = synthetic.serve_directory(str(site), slow_seconds=0.5)
-    try:
-        # every image answers after 0.5 s: a 20-row shard with 4 threads takes ~2.5 s to download
-        src = tmp_path / "source"
-        synthetic.make_source_parquets(str(src), base_url + "/slow", n_files=1, rows_per_file=60, n_images=60,
-                                       broken_share=0.0)
-        root = tmp_path / "out"
-        config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(root),
-                              samples_per_shard=20, image_size=32, thread_count=4, timeout=5,
-                              allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
-                              enable_nemo_text2img=False, enable_nemo_diffusion=False)
-        layout = Layout(str(root))
-        home = tmp_path / "dagster_home"
-        proc = _shardprep(config, home)
-        deadline = time.time() + 240
-        while not Path(layout.shard_stats("00000")).exists():  # shard 00000 done: 00001 is now downloading
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "first shard never finished"
-            time.sleep(0.1)
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert not Path(layout.shard_stats("00001")).exists(), "killed too late to test a partial shard"
-        assert not Path(layout.tar("00001")).exists()  # never a half-written final file
+    base_url, stop = serve_directory(str(site), slow_seconds=0.5)
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), base_url + "/slow", n_files=1, rows_per_file=80, n_images=60,
+                                   broken_share=0.0)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=20, image_size=32, thread_count=4, timeout=5,
+                          allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    yield config, Layout(str(tmp_path / "out")), tmp_path / "dagster_home"
+    stop()
 
-        proc = _shardprep(config, home)
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-    finally:
-        stop()
 
-    for shard in ("00000", "00001", "00002"):
+def _wait_for(proc: subprocess.Popen, path: str, what: str) -> None:
+    deadline = time.time() + 240
+    while not Path(path).exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, f"{what} never happened"
+        time.sleep(0.1)
+
+
+def test_killed_run_resumes_to_complete_outputs(slow_dataset):
+    config, layout, home = slow_dataset
+    proc = _shardprep(config, home)
+    _wait_for(proc, layout.shard_stats("00000"), "shard 00000 finishing")  # 00001 is now downloading
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not Path(layout.shard_stats("00001")).exists(), "killed too late to test a partial shard"
+    assert not Path(layout.tar("00001")).exists()  # never a half-written final file
+
+    proc = _shardprep(config, home)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    for shard in ("00000", "00001", "00002", "00003"):
         table = pq.read_table(layout.shard_parquet(shard)).to_pandas()
         assert len(table) == 20 and set(table.status) == {"success"}
         assert len(list(wds.WebDataset(layout.tar(shard), shardshuffle=False))) == 20
         assert Path(layout.reordered_img(shard)).exists()
-    leftovers = [p for p in root.rglob("*") if ".tmp-" in p.name]
-    assert leftovers == []
+    assert [p for p in Path(layout.root).rglob("*") if ".tmp-" in p.name] == []
+
+
+def test_sigterm_stops_the_run_promptly_and_cancels_it(slow_dataset):
+    import dagster as dg
+
+    config, layout, home = slow_dataset
+    proc = _shardprep(config, home)
+    _wait_for(proc, layout.source_parquet("00001"), "shard 00001's run starting")
+    time.sleep(1.0)  # its images are downloading
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)  # the rest would take 3 more shards and the global run
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out
+
+    # no later shard started, no global output, nothing half-written
+    assert not Path(layout.source_parquet("00002")).exists() and not Path(layout.report_html).exists()
+    assert not Path(layout.shard_stats("00001")).exists() and not Path(layout.tar("00001")).exists()
+    assert [p for p in Path(layout.root).rglob("*") if ".tmp-" in p.name] == []
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        runs = instance.get_runs()
+        assert [r.status for r in runs if r.tags.get("dagster/partition") == "00001"] == [dg.DagsterRunStatus.CANCELED]
+        assert {r.tags.get("dagster/partition") for r in runs} == {"00000", "00001"}
+        for pool in ("download", "gpu"):
+            assert instance.event_log_storage.get_concurrency_info(pool).claimed_slots == []
+
+    rerun = _shardprep(config, home)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    assert all(Path(layout.reordered_img(s)).exists() for s in ("00000", "00001", "00002", "00003")), out

@@ -31,8 +31,6 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import shardprep.dataloaders.prior as prior
-from shardprep.dataloaders.decoder import start_worker
-from dataloader_fixtures import build_loader_dataset
 from shardprep.dataloaders import (
     ImageEmbeddingDataset,
     PriorEmbeddingDataset,
@@ -40,6 +38,8 @@ from shardprep.dataloaders import (
     get_reader,
     make_splits,
 )
+from shardprep.dataloaders.worker import start_worker
+from tests.fixtures.dataloader_data import build_loader_dataset
 
 DALLE2_VERSION = "1.15.6"
 EXTRA = ["__key__", "txt"]

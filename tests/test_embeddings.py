@@ -21,6 +21,7 @@ from shardprep.embeddings import ShardReadError, write_clip_embeddings
 from shardprep.keys import compute_key, index_of_key, oom_sample_per_shard, shard_key
 from shardprep.layout import Layout
 from shardprep.reorder import ReorderError, reorder_array, reorder_embeddings
+from shardprep.tars import TarReadError
 
 SAMPLES_PER_SHARD = 20
 OOM = oom_sample_per_shard(SAMPLES_PER_SHARD)  # 2 digits of in-shard index
@@ -232,7 +233,7 @@ def test_truncated_tar_fails_naming_the_file(tmp_path, encoder):
     make_shards(tmp_path, {0: [0, 1, 2]})
     tar = tmp_path / "images" / "00000.tar"
     tar.write_bytes(tar.read_bytes()[:1500])
-    with pytest.raises(ShardReadError, match="00000.tar"):
+    with pytest.raises(TarReadError, match="00000.tar"):
         write_clip_embeddings("00000", Layout(str(tmp_path)), encoder)
 
 
@@ -320,7 +321,7 @@ def test_tiny_clip_is_deterministic_and_idempotent(tmp_path, tiny_clip_dir):
     import clip
     from transformers import CLIPProcessor
 
-    from shardprep.tiny_models import build_tiny_clip
+    from tests.fixtures.tiny_clip import build_tiny_clip
 
     other = build_tiny_clip(str(tmp_path / "again"))
     assert (Path(other) / "model.safetensors").read_bytes() == (Path(tiny_clip_dir) / "model.safetensors").read_bytes()

@@ -17,19 +17,23 @@ import tarfile
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
-import webdataset as wds  # noqa: E402
-from PIL import Image  # noqa: E402
+import cv2
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from PIL import Image
 
-from shardprep import resize, synthetic  # noqa: E402
-from shardprep.config import ConfigError, config_from_dict  # noqa: E402
-from shardprep.embeddings import ShardReadError, iter_tar_members, write_clip_embeddings  # noqa: E402
-from shardprep.image_shards import decode_slots, write_image_shard  # noqa: E402
-from shardprep.layout import Layout  # noqa: E402
+from shardprep import resize
+from shardprep.config import ConfigError, config_from_dict
+from shardprep.embeddings import write_clip_embeddings
+from shardprep.image_shards import decode_slots, write_image_shard
+from shardprep.layout import Layout
+from shardprep.storage import open_read
+from shardprep.tars import TarReadError, iter_members
+from tests.fixtures import synthetic
+from tests.fixtures.http_server import serve_directory
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -122,7 +126,7 @@ def big_site(tmp_path_factory, big_jpegs):
     (d / "images").mkdir()
     for i, data in enumerate(big_jpegs):
         (d / "images" / f"{i}.jpg").write_bytes(data)
-    base_url, stop = synthetic.serve_directory(str(d))
+    base_url, stop = serve_directory(str(d))
     yield base_url, len(big_jpegs)
     stop()
 
@@ -163,6 +167,11 @@ def test_decode_config_fields():
 # tar parsing
 
 
+def iter_tar_members(url):
+    with open_read(url) as f:
+        yield from iter_members(f, url)
+
+
 def _make_tar(path, fmt, gz=False):
     rng = random.Random(3)
     names = ["a.jpg", "a.txt", "d/b.json", "ü/ñame.txt", "x" * 120 + "/long.jpg", "__meta__.json"]
@@ -193,17 +202,17 @@ def test_tar_parser_errors_name_the_file(tmp_path):
     path = _make_tar(str(tmp_path / "t.tar"), tarfile.PAX_FORMAT)
     data = open(path, "rb").read()
     (tmp_path / "cut.tar").write_bytes(data[:1800])
-    with pytest.raises(ShardReadError, match="cut.tar.*truncated"):
+    with pytest.raises(TarReadError, match="cut.tar.*truncated"):
         list(iter_tar_members(str(tmp_path / "cut.tar")))
     (tmp_path / "empty.tar").write_bytes(b"")
-    with pytest.raises(ShardReadError, match="empty.tar.*empty file"):
+    with pytest.raises(TarReadError, match="empty.tar.*empty file"):
         list(iter_tar_members(str(tmp_path / "empty.tar")))
     with tarfile.open(path) as t:
         second = t.getmembers()[1].offset  # the second member's first header block
     bad = bytearray(data)
     bad[second + 10] ^= 0xFF  # inside its name field: the checksum no longer matches
     (tmp_path / "bad.tar").write_bytes(bytes(bad))
-    with pytest.raises(ShardReadError, match="bad.tar"):
+    with pytest.raises(TarReadError, match="bad.tar"):
         list(iter_tar_members(str(tmp_path / "bad.tar")))
 
 
@@ -234,7 +243,7 @@ def test_loader_grouping_matches_webdataset(tmp_path):
 
 
 def test_keep_freed_memory_runs():
-    from shardprep.dataloaders.decoder import keep_freed_memory
+    from shardprep.dataloaders.worker import keep_freed_memory
 
     keep_freed_memory(0)  # glibc here; elsewhere it does nothing
 

@@ -16,21 +16,23 @@ from collections import OrderedDict
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would look for updates online
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from PIL import Image  # noqa: E402
+import cv2
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
 
-from shardprep import keys, synthetic  # noqa: E402
-from shardprep.config import config_from_dict  # noqa: E402
-from shardprep.fetch import fetch, make_pool  # noqa: E402
-from shardprep.image_shards import write_image_shard  # noqa: E402
-from shardprep.layout import Layout  # noqa: E402
-from shardprep.resize import BOMB_ERROR, jpeg_is_truncated, resize_image  # noqa: E402
+from shardprep import keys
+from shardprep.config import config_from_dict
+from shardprep.fetch import fetch, make_pool
+from shardprep.image_shards import write_image_shard
+from shardprep.layout import Layout
+from shardprep.resize import BOMB_ERROR, jpeg_is_truncated, resize_image
+from tests.fixtures import synthetic
+from tests.fixtures.http_server import serve_directory
 
 # img2dataset's own deprecation noise (albumentations "value", fire "pipes", "imghdr")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pydantic.*",
@@ -46,7 +48,7 @@ ADDITIONAL = ["source_id"]
 def site(tmp_path_factory):
     d = tmp_path_factory.mktemp("i2d-site")
     synthetic.make_demo_site(str(d), n_images=N_IMAGES, seed=3, sizes=SIZES)
-    base_url, stop = synthetic.serve_directory(str(d), slow_seconds=10)
+    base_url, stop = serve_directory(str(d), slow_seconds=10)
     yield str(d), base_url
     stop()
 

@@ -23,9 +23,9 @@ from shardprep.diffusion import aesthetic_score, latent_problem, write_diffusion
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
 from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder, ModelLoadError, T5TextEncoder
-from shardprep.nemo_models import build_tiny_autoencoder, build_tiny_sd_autoencoder, build_tiny_t5
 from shardprep.precache import IMAGE_KEY, TEXT_KEY, PrecacheError, write_precached_encodings
-from shardprep.synthetic import render_image
+from tests.fixtures.synthetic import render_image
+from tests.fixtures.tiny_nemo import build_tiny_autoencoder, build_tiny_sd_autoencoder, build_tiny_t5
 
 RES = 64  # -> 8x8 latents, 16 DiT patches
 OOM = 2
@@ -196,8 +196,16 @@ def test_diffusion_tars_hold_nemo_members(diffusion, encoders):
 def test_megatron_energon_reads_diffusion_tars_like_nemo(diffusion, tmp_path):
     """Real `energon prepare` CLI + get_train_dataset/get_loader with NeMo's encode_sample logic."""
     import torch.nn.functional as F
-    from megatron.energon import (Cooker, DefaultTaskEncoder, SkipSample, WorkerConfig, basic_sample_keys,
-                                  get_loader, get_train_dataset, stateless)
+    from megatron.energon import (
+        Cooker,
+        DefaultTaskEncoder,
+        SkipSample,
+        WorkerConfig,
+        basic_sample_keys,
+        get_loader,
+        get_train_dataset,
+        stateless,
+    )
 
     layout, truth, reports = diffusion
     data = tmp_path / "diffusion"

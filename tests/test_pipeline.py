@@ -2,7 +2,6 @@
 read back by the real webdataset, embedding-reader and DALLE2-pytorch loaders."""
 
 import importlib.util
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -12,15 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from conftest import CHECKOUT, nemo_config, write_config
-from shardprep import synthetic
+from orchestration.runner import run_pipeline
+from shardprep.balanced import complete_tar_counts
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
-from shardprep.balanced import complete_tar_counts
 from shardprep.ledger import load_ledger
-
-sys.path.insert(0, str(CHECKOUT))
-from orchestration.runner import run_pipeline  # noqa: E402
+from tests.fixtures import synthetic
+from tests.fixtures.configs import nemo_config, write_config
 
 SHARD_ASSETS = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples"]
 GLOBAL_ASSETS = ["balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",

@@ -20,22 +20,30 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from conftest import CHECKOUT, write_config
-from live_dagster import free_port, start_live_dagster
-from shardprep import synthetic
+from assets import clip_embeddings, image_shards, reordered_embeddings, source_parquet
+from assets.report import dataset_report
+from orchestration.runner import run_pipeline
+from orchestration.status import asset_statuses
+from resources.clip import ClipResource
+from resources.dataset import DatasetResource
 from shardprep.config import load_config
-from shardprep.contact_sheet import (CELL_BACKGROUND, COLUMNS, LINE_HEIGHT, PAD, ContactSheetError, _fit, _font,
-                                     contact_sheet, grid_size, inline_image)
+from shardprep.contact_sheet import (
+    CELL_BACKGROUND,
+    COLUMNS,
+    LINE_HEIGHT,
+    PAD,
+    ContactSheetError,
+    _fit,
+    _font,
+    contact_sheet,
+    grid_size,
+    inline_image,
+)
 from shardprep.layout import Layout
 from shardprep.ledger import register_sources
-
-sys.path.insert(0, str(CHECKOUT))
-from assets import clip_embeddings, image_shards, reordered_embeddings, source_parquet  # noqa: E402
-from assets.report import dataset_report  # noqa: E402
-from orchestration.runner import run_pipeline  # noqa: E402
-from orchestration.status import asset_statuses  # noqa: E402
-from resources.clip import ClipResource  # noqa: E402
-from resources.dataset import DatasetResource  # noqa: E402
+from tests.fixtures import synthetic
+from tests.fixtures.configs import CHECKOUT, write_config
+from tests.fixtures.live_dagster import free_port, start_live_dagster
 
 SHARD_ASSETS = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings"]
 CLI_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SHARDPREP_AUTOMATION": "off"}
@@ -128,6 +136,27 @@ def test_captions_are_wrapped_and_truncated():
     assert _fit(draw, "x" * 200, font, 96, 2)[0].endswith("...")
 
 
+def test_caption_fitting_looks_at_a_bounded_prefix():
+    """Fitting a caption measures a bounded amount of text, however long the caption (50,000
+    characters happen): the number of ``textlength`` calls and the text they measure do not grow."""
+    from PIL import ImageDraw
+
+    draw, font = ImageDraw.Draw(Image.new("RGB", (1, 1))), _font()
+    measured: list[int] = []
+    real = draw.textlength
+    draw.textlength = lambda text, *a, **kw: measured.append(len(text)) or real(text, *a, **kw)
+    for text in ("a caption word " * 4000, "x" * 50_000, "i l . " * 10_000):
+        calls = {}
+        for n in (100, 5_000, 50_000):
+            measured.clear()
+            lines = _fit(draw, text[:n], font, 96, 2)
+            calls[n] = len(measured)
+            assert len(lines) == 2 or text[0] == "x"
+            assert all(real(line, font=font) <= 96 for line in lines)
+            assert max(measured) <= 200
+        assert calls[5_000] == calls[50_000] and max(calls.values()) <= 40, calls
+
+
 def test_inline_image_stays_under_the_limit():
     rng = np.random.default_rng(0)
     noisy = Image.fromarray(rng.integers(0, 255, (400, 600, 3), dtype=np.uint8))
@@ -148,19 +177,22 @@ def test_inline_image_stays_under_the_limit():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, image_site, tiny_clip_dir):
-    from live_dagster import prepare_home
+    from tests.fixtures.live_dagster import prepare_home
 
     tmp = tmp_path_factory.mktemp("report")
     src = tmp / "source"
-    files = synthetic.make_source_parquets(str(src), image_site[1], n_files=2, rows_per_file=[40, 25],
-                                           n_images=120, seed=3)
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=2, rows_per_file=[40, 25],
+                                   n_images=120, seed=3)
     config = write_config(
         tmp / "shardprep.yaml", source=f"{src}/*.parquet", output_root=str(tmp / "out"), samples_per_shard=20,
         image_size=32, resize_mode="center_crop", allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
         batch_size=16, thread_count=8, timeout=5, enable_nemo_text2img=False, enable_nemo_diffusion=False)
     register_sources(load_config(config))  # shards 00002 = rows 0-19, 00003 = rows 20-24 of the 2nd file
-    table = pq.read_table(files[1])
-    pq.write_table(table.slice(0, 22), files[1])  # rows 22-24 of shard 00003 are gone
+    # shard 00003 now asks for rows 20-27 of the 25-row file: its source rows are not all there
+    ledger_path = tmp / "out" / "ledger.json"
+    ledger = json.loads(ledger_path.read_text())
+    ledger["files"][1]["segments"][0]["row_stop"] = 28
+    ledger_path.write_text(json.dumps(ledger))
     home = prepare_home(tmp / "dagster_home")
     instance = dg.DagsterInstance.from_config(str(home))
     dataset = DatasetResource(config_path=config)
@@ -263,15 +295,15 @@ def _status_rows(text: str) -> dict[str, list[str]]:
 
 def test_status_counts_materialized_failed_and_missing(run):
     env = {**os.environ, **CLI_ENV, "DAGSTER_HOME": str(run["home"])}
-    out = subprocess.run([sys.executable, "-m", "shardprep.cli", "status", "--config", run["config"]],
+    out = subprocess.run([sys.executable, "-m", "orchestration.cli", "status", "--config", run["config"]],
                          cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = _status_rows(out.stdout)
     assert set(SHARD_ASSETS) <= set(rows)
-    # materialized, failed, in progress, missing, of shards. 00003: source_parquet failed, so its
+    # materialized, outdated, failed, in progress, missing, of shards. 00003: source_parquet failed, so its
     # downstream steps in that run did not materialize: failed too, as the UI shows them. 00004: missing
     for asset in SHARD_ASSETS:
-        assert rows[asset][:5] == ["3", "1", "0", "1", "5"], (asset, rows[asset])
+        assert rows[asset][:6] == ["3", "0", "1", "0", "1", "5"], (asset, rows[asset])
 
     # unpartitioned: missing before the report was made, materialized (with its time) after
     before = run["before_report"]["dataset_report"]
@@ -288,7 +320,7 @@ def test_status_counts_materialized_failed_and_missing(run):
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, **CLI_ENV, "DAGSTER_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "shardprep.cli", *args], cwd=CHECKOUT, env=env,
+    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], cwd=CHECKOUT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

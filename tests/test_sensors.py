@@ -6,7 +6,6 @@ The daemon applies a tick's partition adds before the next tick; ``tick`` does t
 import importlib
 import json
 import os
-import sys
 import time
 
 import dagster as dg
@@ -14,15 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CHECKOUT, write_config
-from shardprep import synthetic
+from assets import source_parquet
+from resources import DatasetResource
+from sensors import new_source_files
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
-
-sys.path.insert(0, str(CHECKOUT))
-from assets import source_parquet  # noqa: E402
-from resources import DatasetResource  # noqa: E402
-from sensors import new_source_files  # noqa: E402
+from shardprep.sources import read_rows
+from tests.fixtures import synthetic
+from tests.fixtures.configs import write_config
 
 BASE_URL = "http://127.0.0.1:9"  # never fetched: the sensor reads only parquet footers
 
@@ -138,23 +136,102 @@ def test_only_bad_files_give_a_skip_reason_naming_them(source, instance):
     assert "only.parquet" in msg and "'url'" in msg and "1 source file problem" in msg
 
 
-def test_rewritten_source_is_reported_not_resharded(source, instance, capfd):
+def _ranges(src) -> list[tuple[str, str, int, int]]:
+    ledger = load_ledger(Layout(str(src.parent / "out")))
+    return [(s.key, os.path.basename(s.source), s.row_start, s.row_stop) for s in ledger.shards()]
+
+
+def _rewrite(path, table: pa.Table) -> None:
+    before = os.stat(path).st_mtime_ns
+    pq.write_table(table, str(path))
+    os.utime(path, ns=(before + 10**9, before + 10**9))  # a new fingerprint even on a coarse clock
+
+
+def _more_rows(n: int, seed: int) -> pa.Table:
+    cols = synthetic.source_rows(BASE_URL, n, seed=seed, start=1000)
+    return pa.table({"url": pa.array(cols["url"], pa.string()), "caption": pa.array(cols["caption"], pa.string()),
+                     "source_id": pa.array(cols["source_id"], pa.int64())})
+
+
+def test_appended_rows_become_partitions_and_runs(source, instance):
+    src, config = source
+    first = tick(instance, config)
+    before = _ranges(src)
+    part1 = src / "part-00001.parquet"  # 15 rows: shards 00003 (0-9) and 00004 (10-14, short)
+    _rewrite(part1, pa.concat_tables([pq.read_table(str(part1)), _more_rows(12, seed=5)]))
+    result = tick(instance, config, cursor=first.cursor)
+    assert added(result) == ["00005", "00006"] and requested(result) == [("00005", "00005"), ("00006", "00006")]
+    assert _ranges(src) == before + [("00005", "part-00001.parquet", 15, 25), ("00006", "part-00001.parquet", 25, 27)]
+    again = tick(instance, config, cursor=result.cursor)
+    assert added(again) == [] and again.skip_reason.skip_message == "no new shards"
+
+
+def test_rewritten_source_is_reported_once_with_the_reshard_command(source, instance, capfd):
     src, config = source
     first = tick(instance, config)
     ledger_before = load_ledger(Layout(str(src.parent / "out"))).to_json()
     capfd.readouterr()
     time.sleep(0.01)  # a new mtime even on coarse clocks
     synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[40], seed=7)  # rewrites part-00000
-    result = tick(instance, config, cursor=first.cursor)
-    assert added(result) == [] and requested(result) == []
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[8], seed=3, prefix="zz-new")
+    result = tick(instance, config, cursor=first.cursor)  # the tick goes on: the new file is registered
+    assert added(result) == ["00005"] and requested(result) == [("00005", "00005")]
     rewritten = f"file://{src / 'part-00000.parquet'}"
-    assert f"source file {rewritten} changed after its shards were assigned (not re-sharded)" \
-        in result.skip_reason.skip_message
-    assert "changed after its shards were assigned" in capfd.readouterr().err
-    assert load_ledger(Layout(str(src.parent / "out"))).to_json() == ledger_before  # shard rows unchanged
-    assert json.loads(result.cursor)["changed"] == [rewritten]
+    msg = capfd.readouterr().err
+    assert f"source file {rewritten} changed after its shards were assigned" in msg
+    assert f"shardprep reshard --config {config} --source {rewritten}" in msg
+    assert load_ledger(Layout(str(src.parent / "out"))).to_json() != ledger_before  # the new file only
+    assert _ranges(src)[:5] == [("00000", "part-00000.parquet", 0, 10), ("00001", "part-00000.parquet", 10, 20),
+                                ("00002", "part-00000.parquet", 20, 25), ("00003", "part-00001.parquet", 0, 10),
+                                ("00004", "part-00001.parquet", 10, 15)]
+    assert list(json.loads(result.cursor)["changed"]) == [rewritten]
     again = tick(instance, config, cursor=result.cursor)
     assert again.skip_reason.skip_message == "no new shards"  # reported once, not on every tick
+    assert "changed after its shards were assigned" not in capfd.readouterr().err
+
+    # reported in the skip reason when nothing else happens in the tick, and again after a new rewrite
+    time.sleep(0.01)
+    synthetic.make_source_parquets(str(src), BASE_URL, n_files=1, rows_per_file=[3], seed=8)
+    third = tick(instance, config, cursor=again.cursor)
+    assert "now 3 rows, 25 were registered" in third.skip_reason.skip_message
+    assert "shardprep reshard --config" in third.skip_reason.skip_message
+
+
+def test_reshard_wipes_exactly_the_changed_shards_in_the_instance(source, instance):
+    from assets import per_shard_assets
+    from orchestration.reshard import reshard
+
+    src, config = source
+    tick(instance, config)  # shards 00000-00004 registered and partitions
+    layout = Layout(str(src.parent / "out"))
+    ledger = load_ledger(layout)
+    shards = ledger.keys()
+    for key in shards:  # as source_parquet would have copied them
+        s = ledger.shard(key)
+        os.makedirs(os.path.dirname(layout.source_parquet(key)), exist_ok=True)
+        pq.write_table(read_rows(s.source, s.row_start, s.row_stop), layout.source_parquet(key))
+    for asset in per_shard_assets:
+        for key in shards:
+            instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=asset.key, partition=key))
+
+    part0 = src / "part-00000.parquet"  # 25 rows: shards 00000-00002; one row of shard 00001 changes
+    table = pq.read_table(str(part0))
+    captions = table["caption"].to_pylist()
+    captions[12] = "a caption edited after registration"
+    table = table.set_column(table.column_names.index("caption"), "caption", pa.array(captions, pa.string()))
+    _rewrite(part0, pa.concat_tables([table, _more_rows(4, seed=11)]))
+
+    result = reshard(config, str(part0), instance)
+    assert result.invalidated == ["00001"] and result.emptied == [] and result.new_keys == ["00005"]
+    for asset in per_shard_assets:
+        assert instance.get_materialized_partitions(asset.key) == {"00000", "00002", "00003", "00004"}, asset.key
+    assert instance.get_dynamic_partitions("shards") == shards + ["00005"]
+    assert not os.path.exists(layout.source_parquet("00001")) and os.path.exists(layout.source_parquet("00002"))
+    # the other shards' materializations are intact (their events still readable), and the sensor is quiet
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=source_parquet.key,
+                                                                    asset_partitions=["00002"]), limit=1).records
+    assert len(records) == 1
+    assert added(tick(instance, config)) == []
 
 
 def test_unreachable_source_is_a_skip_reason(tmp_path, instance):

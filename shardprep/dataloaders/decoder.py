@@ -22,7 +22,6 @@ For shardprep's keys (5 shard digits + ``oom_sample`` index digits) ``shard_widt
 ``emb = {'img': ...}`` (the current API), not the README's bare tensor.
 """
 
-import gc
 import random
 
 import braceexpand
@@ -30,13 +29,12 @@ import fsspec
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
-from webdataset.tariterators import base_plus_ext
 
-from shardprep.embeddings import iter_stream_members
-from shardprep.keys import is_meta_member
+from shardprep.tars import group_samples, iter_members
 
 from .distributed import resolve_rank, split_by_rank, split_by_worker, worker_info
 from .embedding_files import list_embedding_files, load_embeddings, shard_id_of_url
+from .worker import start_worker
 
 EMBEDDING_SAMPLE_KEYS = {"img": "img_emb", "text": "text_emb"}
 
@@ -86,37 +84,8 @@ def tar_samples(sources, handler=wds.handlers.reraise_exception):
     work per member, which is most of a small sample's loading cost)."""
     for source in open_shards(sources, handler=handler):
         url = source["url"]
-        current = None
-        try:
-            for fname, data in iter_stream_members(source["stream"], url):
-                if ("/" not in fname and fname.startswith("__") and fname.endswith("__")) or is_meta_member(fname):
-                    continue  # webdataset skips its meta members
-                try:
-                    prefix, suffix = base_plus_ext(fname)
-                    if prefix is None:
-                        continue
-                    suffix = suffix.lower()
-                    if current is None or prefix != current["__key__"]:
-                        if current is not None:
-                            yield current
-                        current = {"__key__": prefix, "__url__": url}
-                    if suffix in current:
-                        raise ValueError(f"{fname}: duplicate file name in tar file {suffix} {current.keys()}")
-                    current[suffix] = data
-                except Exception as exn:
-                    if handler(exn):
-                        continue
-                    return
-        except Exception as exn:  # the tar itself is unreadable: like webdataset, on to the next one
-            exn.args = exn.args + (url,)
-            if current is not None:
-                yield current
-                current = None
-            if handler(exn):
-                continue
+        if not (yield from group_samples(iter_members(source["stream"], url), url, handler=handler)):
             return
-        if current is not None:
-            yield current
 
 
 def shuffle_list(src, seed=None, rank=0):
@@ -308,41 +277,6 @@ class ImageEmbeddingDataset(wds.DataPipeline, wds.compat.FluidInterface):
         if self.img_preproc is not None:
             sample["jpg"] = self.img_preproc(sample["jpg"])
         return sample
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def keep_freed_memory(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: let glibc's malloc keep freed memory for reuse in the worker.
-
-    Every sample allocates and frees the same few buffers (decoded image, its tensor copies, ~1 MB
-    each). By default glibc serves such sizes with fresh ``mmap``s, or trims them off its heap on
-    free, so every sample pays hundreds of page faults (measured: ~30% of a worker's CPU time on
-    a small VM). Raising the mmap and trim thresholds makes the buffers come back from the heap.
-    A worker's memory then stays at its high-water mark (a few batches). Not glibc: nothing."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum for this setting
-    mallopt(_M_TRIM_THRESHOLD, 256 << 20)
-
-
-def start_worker(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn`` of our loaders: ``keep_freed_memory``, and the objects the worker
-    inherited from its parent are frozen out of its garbage collector.
-
-    A forked worker would otherwise collect, and finalize, the parent's not-yet-collected garbage: e.g.
-    an earlier loader's iterator in a reference cycle, whose ``__del__`` then shuts down the parent's
-    old workers from the child. On CPython 3.11.7 such a finalizer run was seen to break the worker's
-    next ``np.load`` (gh-106905, "AST constructor recursion depth mismatch"). Frozen, the parent's
-    objects are also left out of the worker's collections (fewer copy-on-write page touches)."""
-    gc.freeze()
-    keep_freed_memory(worker_id)
 
 
 def create_image_embedding_dataloader(

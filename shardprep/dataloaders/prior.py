@@ -17,8 +17,8 @@ from embedding_reader import EmbeddingReader
 from torch import from_numpy
 from torch.utils.data import DataLoader, IterableDataset
 
-from .decoder import start_worker
 from .distributed import contiguous_slice, worker_info
+from .worker import start_worker
 
 
 def get_reader(text_conditioned: bool, img_url: str, meta_url: str = None, txt_url: str = None):

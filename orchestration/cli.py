@@ -1,30 +1,12 @@
-"""`shardprep` command line. Dagster is driven through the code location in the checkout
-(``orchestration/``), imported only by the commands that need it, so this package stays Dagster-free."""
+"""The ``shardprep`` command: runs, status, backfills and verification of a dataset through Dagster.
+
+Part of the Dagster side; the core library (``shardprep``) never imports it."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import signal
 import sys
-from pathlib import Path
-
-
-def _code_location(explicit: str | None) -> Path:
-    candidates = [Path(explicit)] if explicit else []
-    if os.environ.get("SHARDPREP_CODE_LOCATION"):
-        candidates.append(Path(os.environ["SHARDPREP_CODE_LOCATION"]))
-    candidates += [Path(__file__).resolve().parent.parent, Path.cwd()]
-    for c in candidates:
-        if (c / "definitions.py").exists() and (c / "orchestration").is_dir():
-            return c.resolve()
-    raise SystemExit("shardprep: the Dagster code location (definitions.py, orchestration/) was not found; "
-                     "run from the shardprep checkout or pass --code-location DIR")
-
-
-def _import_orchestration(explicit: str | None):
-    root = _code_location(explicit)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def print_summary(summary) -> None:
@@ -36,32 +18,68 @@ def print_summary(summary) -> None:
         print(f"{asset.ljust(width)}  {done}")
     print(f"\nshards: {total} ({len(summary.new_shards)} new), runs this time: {summary.runs}, "
           f"failed: {len(summary.failed)}")
-    for url in summary.changed_sources:
-        print(f"warning: source file changed after its shards were assigned (not re-sharded): {url}")
+    for url in summary.appended_sources:
+        print(f"note: rows appended to {url} became new shards")
     for url in summary.empty_sources:
         print(f"note: source file has no rows, no shards made: {url}")
     for shard, err in summary.failed.items():
         print(f"FAILED shard {shard}: {err}")
+    if summary.stopped_by is not None:
+        print(f"stopped by {signal.Signals(summary.stopped_by).name}: the run in progress was cancelled; "
+              f"{len(summary.not_run)} shard(s) left for the next run (only complete outputs were kept)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _import_orchestration(args.code_location)
     from orchestration.runner import run_pipeline
-    from shardprep.config import ConfigError
-    from shardprep.ledger import LedgerError
-    from shardprep.sources import SourceError
+    from shardprep.errors import ShardprepError
 
     try:
+        if args.verify:
+            _verify(args.config, mark=True)
         summary = run_pipeline(args.config, rebuild=args.rebuild, progress=not args.no_progress)
-    except (ConfigError, SourceError, LedgerError) as e:
+    except ShardprepError as e:  # bad config, source or ledger: named, nothing was run
         print(f"shardprep: {e}", file=sys.stderr)
         return 2
     print_summary(summary)
+    if summary.stopped_by is not None:
+        return 128 + summary.stopped_by  # the shell's convention for "killed by this signal"
     return 0 if summary.ok else 1
 
 
+def _verify(config: str, mark: bool):
+    from orchestration.instance import get_instance
+    from orchestration.verify import verify_dataset
+
+    report = verify_dataset(config, get_instance(), mark=mark)
+    print(report.summary())
+    return report
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from shardprep.errors import ShardprepError
+
+    try:
+        report = _verify(args.config, mark=not args.no_mark)
+    except ShardprepError as e:
+        print(f"shardprep verify: {e}", file=sys.stderr)
+        return 2
+    return 0 if report.ok else 1
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from orchestration.reshard import reshard
+    from shardprep.errors import ShardprepError
+
+    try:
+        result = reshard(args.config, args.source)
+    except ShardprepError as e:
+        print(f"shardprep reshard: {e}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    _import_orchestration(args.code_location)
     from orchestration.status import status
 
     print(status(args.config))
@@ -69,7 +87,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    _import_orchestration(args.code_location)
     from orchestration.backfill import BackfillError, launch_backfill
 
     partitions = [p.strip() for p in args.partitions.split(",") if p.strip()] if args.partitions else None
@@ -90,13 +107,24 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardprep", description=__doc__)
-    parser.add_argument("--code-location", help="folder holding definitions.py (default: the checkout)")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="register new source files and materialize every missing shard asset")
     run.add_argument("--config", required=True, help="dataset config YAML")
     run.add_argument("--rebuild", action="store_true", help="redo every shard, even complete ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--verify", action="store_true",
+                     help="first re-read every finished output and redo the broken ones (see `verify`)")
     run.set_defaults(func=cmd_run)
+    verify = sub.add_parser("verify", help="re-read every finished output cheaply; report the broken ones and mark "
+                            "them so the next run repairs them (exit 1 if any)")
+    verify.add_argument("--config", required=True, help="dataset config YAML")
+    verify.add_argument("--no-mark", action="store_true", help="only report, mark nothing for re-materialization")
+    verify.set_defaults(func=cmd_verify)
+    reshard = sub.add_parser("reshard", help="re-shard a source file rewritten after registration: shards whose "
+                             "rows changed are redone by the next run, the others kept")
+    reshard.add_argument("--config", required=True, help="dataset config YAML")
+    reshard.add_argument("--source", required=True, help="the source file (path or URL) to re-shard")
+    reshard.set_defaults(func=cmd_reshard)
     status = sub.add_parser("status", help="per asset: shards materialized / failed / missing ($DAGSTER_HOME)")
     status.add_argument("--config", help="dataset config YAML (default: the code location's)")
     status.set_defaults(func=cmd_status)

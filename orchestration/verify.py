@@ -1,0 +1,105 @@
+"""`shardprep verify` (and `shardprep run --verify`): re-read every materialized output cheaply
+(``shardprep.verify``), report what is broken, and invalidate those (asset, shard) pairs so the next
+run repairs exactly them.
+
+Per-shard assets: the broken pair loses its stamp and its Dagster materialization (``invalidate``).
+Unpartitioned assets: the asset's materialization is wiped so the next run's global step runs; the
+balanced and precached tars lose their stamp too, which makes that step rebuild them (complete tars
+are immutable, never patched); the energon indexes repair themselves (an untrusted sqlite is rebuilt,
+a missing ``.tar.idx`` restored); wdinfo and the report are rewritten anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import dagster as dg
+
+from orchestration.invalidate import invalidate
+from orchestration.plan import current_partitions, latest_version
+from shardprep.config import load_config
+from shardprep.layout import Layout
+from shardprep.ledger import load_ledger
+from shardprep.verify import Problem, verify_global, verify_shard
+from shardprep.versions import artifact_versions, remove_stamp
+
+THREADS = 16  # reading is I/O bound (object stores: one request per file or header range)
+REBUILT_WHEN_BROKEN = ("balanced_shards", "precached_encodings")
+
+
+@dataclass
+class VerifyReport:
+    checked: dict[str, int] = field(default_factory=dict)  # asset -> shards (or 1) verified
+    problems: list[Problem] = field(default_factory=list)
+    marked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def broken(self) -> dict[str, list[str]]:
+        """``{asset: [shards]}`` with a problem."""
+        out: dict[str, list[str]] = {}
+        for p in self.problems:
+            if p.shard not in out.setdefault(p.artifact, []):
+                out[p.artifact].append(p.shard)
+        return out
+
+    def summary(self) -> str:
+        lines = [f"verified {n} {'shards' if asset not in _global_names() else 'output'} of {asset}"
+                 for asset, n in self.checked.items()]
+        lines += [f"BROKEN {p}" for p in self.problems]
+        if self.problems:
+            lines.append(f"{len(self.problems)} problem(s) in {sum(map(len, self.broken().values()))} (asset, shard) "
+                         + ("pair(s), marked for re-materialization: `shardprep run` repairs them"
+                            if self.marked else "pair(s) (not marked)"))
+        else:
+            lines.append("every output is complete")
+        return "\n".join(lines)
+
+
+def _global_names() -> set[str]:
+    from assets import global_assets
+
+    return {a.key.path[-1] for a in global_assets}
+
+
+def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = True) -> VerifyReport:
+    """Verify every materialized (asset, shard) of the config's enabled assets; with ``mark``, invalidate
+    the broken ones so the next run redoes them (and nothing else)."""
+    from definitions import build_defs
+
+    config_path = os.path.abspath(config_path)
+    cfg = load_config(config_path)
+    layout, versions = Layout(cfg.output_root), artifact_versions(cfg)
+    ledger = load_ledger(layout)
+    rows = {s.key: s.rows for s in ledger.shards()} if ledger else {}
+    graph = build_defs(config_path).resolve_asset_graph()
+    report = VerifyReport(marked=mark)
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="shardprep-verify") as pool:
+        for key in graph.toposorted_asset_keys:
+            node, name = graph.get(key), key.path[-1]
+            if node.partitions_def is not None:
+                shards = sorted(current_partitions(instance, key, versions.get(name)) & rows.keys())
+                found = pool.map(lambda s, n=name: verify_shard(layout, cfg, n, s, rows[s]), shards)
+                report.problems += [Problem(name, s, msg) for s, f in zip(shards, found) for msg in f.problems]
+                report.checked[name] = len(shards)
+            elif latest_version(instance, key) is not None:
+                report.problems += [Problem(name, "_all", msg) for msg in verify_global(layout, cfg, name).problems]
+                report.checked[name] = 1
+    if mark:
+        _mark(instance, layout, report)
+    return report
+
+
+def _mark(instance: dg.DagsterInstance, layout: Layout, report: VerifyReport) -> None:
+    globals_ = _global_names()
+    for asset, shards in report.broken().items():
+        if asset in globals_:
+            if asset in REBUILT_WHEN_BROKEN:
+                remove_stamp(layout, asset)
+            instance.wipe_assets([dg.AssetKey(asset)])
+        else:
+            invalidate(instance, layout, [asset], shards)

@@ -1,0 +1,78 @@
+"""Every environment setting of the Dagster side, in one place, with its default.
+
+The dataset itself is configured by its YAML file (``shardprep.config``); these settings say how this
+code location runs it. They are read once, when the definitions are built (``settings()``), never at
+import of an asset or sensor module. README "Environment settings" lists the same table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+from shardprep.errors import ShardprepError
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "demo" / "work" / "shardprep.yaml")
+
+
+class SettingsError(ShardprepError, ValueError):
+    """An environment setting has a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # SHARDPREP_CONFIG: the dataset config the code location serves (UI, daemon, sensors)
+    config: str = DEFAULT_CONFIG
+    # SHARDPREP_AUTOMATION: on | off -- the declarative automation sensor starts running or stopped
+    automation: bool = True
+    # SHARDPREP_AUTOMATION_INTERVAL: seconds between automation ticks
+    automation_interval: int = 15
+    # SHARDPREP_SENSOR_INTERVAL: seconds between ticks of the new_source_files sensor
+    sensor_interval: int = 30
+    # SHARDPREP_GPU_SHARDS_PER_RUN: shards per backfill run of a GPU asset (a model loads once per run)
+    gpu_shards_per_run: int = 8
+    # SHARDPREP_DOWNLOAD_SHARDS_PER_RUN: shards per backfill run of source_parquet / image_shards
+    download_shards_per_run: int = 4
+    # SHARDPREP_GPU_SLOTS: slots of the `gpu` pool set on an instance that has none yet
+    gpu_slots: int = 1
+    # SHARDPREP_DOWNLOAD_SLOTS: slots of the `download` pool set on an instance that has none yet
+    download_slots: int = 2
+
+
+def env_name(field: str) -> str:
+    return f"SHARDPREP_{field.upper()}"
+
+
+def _parse(field: str, raw: str, default):
+    name = env_name(field)
+    if isinstance(default, bool):
+        value = raw.strip().lower()
+        if value in ("on", "1", "true", "yes"):
+            return True
+        if value in ("off", "0", "false", "no"):
+            return False
+        raise SettingsError(f"environment setting {name}={raw!r}: must be on or off")
+    if isinstance(default, int):
+        try:
+            number = int(raw)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise SettingsError(f"environment setting {name}={raw!r}: must be a positive integer")
+        return number
+    if not raw.strip():
+        raise SettingsError(f"environment setting {name} is set but empty")
+    return raw
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings from ``environ`` (default: the process environment); unset ones keep their default."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in fields(Settings):
+        raw = environ.get(env_name(f.name))
+        if raw is not None:
+            values[f.name] = _parse(f.name, raw, f.default)
+    return Settings(**values)

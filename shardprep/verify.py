@@ -1,0 +1,369 @@
+"""Finished outputs, read again: is each file still there, whole, and what it should hold?
+
+One function per artifact returns ``Findings``: the problems found (each a message naming the file) and
+the numbers read on the way. ``deep=False`` is cheap: file sizes, parquet footers, ``.npy`` headers,
+tar headers to the end of the archive (a truncated tar fails there), sample keys against the parquet.
+``deep=True`` also reads the data: embedding values are finite, each embedding row belongs to a tar
+sample, reordered rows sit at their key's index. ``shardprep verify`` and the dataset report run the
+cheap form; the blocking asset checks (``shardprep.checks``) the deep one -- the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sqlite3
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardprep import storage
+from shardprep.config import DatasetConfig
+from shardprep.keys import index_of_key
+from shardprep.layout import Layout
+from shardprep.tars import header_samples, sample_keys
+from shardprep.versions import read_stamp
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def fail(self, url: str, message: str) -> None:
+        self.problems.append(f"{url}: {message}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A broken output: which artifact and shard (``versions.ALL_SHARDS`` for unpartitioned ones)."""
+
+    artifact: str
+    shard: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.artifact} {self.shard}: {self.message}"
+
+
+# ---------------------------------------------------------------- reading files cheaply
+
+
+def file_sizes(urls: list[str]) -> dict[str, int]:
+    """``{url: size}`` of the files among ``urls`` that exist (what a stamp records)."""
+    out = {}
+    for url in urls:
+        fs, path = storage.url_to_fs(url)
+        try:
+            out[url] = int(fs.info(path)["size"])
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def npy_header(url: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of an ``.npy`` file from its header; ValueError if the data is cut short."""
+    with storage.open_read(url) as f:
+        major, _ = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        start = f.tell()
+    size = storage.stat(url)[0]
+    want = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != want:
+        raise ValueError(f"{size} bytes, its header promises {want} (shape {shape}, {dtype})")
+    return shape, dtype
+
+
+def parquet_rows(url: str) -> int:
+    """Row count from the parquet footer (reading the footer proves the file ends where it should)."""
+    import pyarrow.parquet as pq
+
+    with storage.open_read(url) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def _read(findings: Findings, url: str, reader, what: str):
+    """``reader(url)``, or None with a problem naming the file (missing or unreadable)."""
+    try:
+        return reader(url)
+    except FileNotFoundError:
+        findings.fail(url, f"missing ({what})")
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a finding, never a crash
+        findings.fail(url, f"unreadable {what}: {type(e).__name__}: {e}")
+    return None
+
+
+# ---------------------------------------------------------------- per-shard artifacts
+
+
+def recorded_sizes(findings: Findings, recorded: dict[str, int]) -> None:
+    """The files a stamp recorded are there, at the size they were written with."""
+    sizes = file_sizes(list(recorded))
+    for url, size in recorded.items():
+        if url not in sizes:
+            findings.fail(url, "missing (recorded when the shard was finished)")
+        elif sizes[url] != size:
+            findings.fail(url, f"{sizes[url]} bytes, {size} when the shard was finished (truncated or rewritten)")
+
+
+def verify_source_parquet(layout: Layout, shard: str, rows: int | None = None) -> Findings:
+    f = Findings()
+    url = layout.source_parquet(shard)
+    n = _read(f, url, parquet_rows, "parquet")
+    if n is not None and rows is not None and n != rows:
+        f.fail(url, f"{n} rows, the ledger gives the shard {rows}")
+    return f
+
+
+def verify_image_shard(layout: Layout, shard: str, rows: int | None = None, read_tar: bool = True) -> Findings:
+    """``{shard}.parquet`` (a row per input row), ``_stats.json`` and the tar holding exactly the
+    parquet's successful samples (no tar when there are none), the tar read to its end
+    (``read_tar=False``: only that it is there when it should be)."""
+    f = Findings()
+    stats = _read(f, layout.shard_stats(shard), lambda u: json.loads(storage.read_bytes(u)), "stats json")
+    table = _read(f, layout.shard_parquet(shard), lambda u: storage.read_parquet(u, ["key", "status"]), "parquet")
+    if table is None:
+        return f
+    if rows is not None and table.num_rows != rows:
+        f.fail(layout.shard_parquet(shard), f"{table.num_rows} rows, the ledger gives the shard {rows}")
+    cols = table.to_pydict()
+    expected = sorted(k for k, s in zip(cols["key"], cols["status"]) if s == "success")
+    if isinstance(stats, dict) and stats.get("successes") != len(expected):
+        f.fail(layout.shard_stats(shard), f"says {stats.get('successes')} successes, the parquet {len(expected)}")
+    tar = layout.tar(shard)
+    if not read_tar:
+        if bool(expected) != storage.exists(tar):
+            f.fail(tar, "missing" if expected else "exists, but the parquet has no success")
+        return f
+    keys = (_read(f, tar, sample_keys, "tar") or []) if expected or storage.exists(tar) else []
+    f.facts.update(tar_samples=len(keys), parquet_successes=len(expected))
+    if f.problems:
+        return f
+    if sorted(keys) != expected:
+        missing, extra = sorted(set(expected) - set(keys)), sorted(set(keys) - set(expected))
+        f.fail(tar, f"{len(keys)} samples, the parquet has {len(expected)} successes "
+                    f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    elif len(set(keys)) != len(keys):
+        f.fail(tar, "a sample key appears twice")
+    return f
+
+
+def verify_clip_embeddings(layout: Layout, shard: str, enable_text: bool = True, deep: bool = False) -> Findings:
+    """One embedding row per metadata row (float16 ``[N, D]``, files whole); deep: the embedded keys are
+    the tar's samples, one row each, and every value is finite."""
+    f = Findings()
+    has_samples = storage.exists(layout.tar(shard))
+    urls = {"img": layout.img_emb(shard)} | ({"text": layout.text_emb(shard)} if enable_text else {})
+    if not has_samples:
+        for url in urls.values():
+            if storage.exists(url):
+                f.fail(url, "exists, but the shard has no tar (no sample)")
+        return f
+    n = _read(f, layout.emb_metadata(shard), parquet_rows, "metadata parquet")
+    shapes = {name: _read(f, url, npy_header, "npy") for name, url in urls.items()}
+    for name, found in shapes.items():
+        if found is None:
+            continue
+        shape, dtype = found
+        if len(shape) != 2 or dtype != np.float16 or (n is not None and shape[0] != n):
+            f.fail(urls[name], f"shape {shape} {dtype}, expected ({n}, D) float16 (one row per metadata row)")
+    f.facts.update(metadata_rows=n)
+    if f.problems or not deep:
+        return f
+    samples = sample_keys(layout.tar(shard))
+    meta_keys = storage.read_parquet(layout.emb_metadata(shard), ["image_path"])["image_path"].to_pylist()
+    f.facts.update(samples=len(samples))
+    if sorted(meta_keys) != sorted(samples):
+        f.fail(layout.emb_metadata(shard), f"embedded keys differ from the tar's ({len(set(samples) - set(meta_keys))} "
+                                           f"samples without an embedding, {len(set(meta_keys) - set(samples))} "
+                                           "embeddings of no sample)")
+    for name, url in urls.items():
+        bad = int((~np.isfinite(storage.read_npy(url, mmap=True))).any(axis=1).sum())
+        f.facts[f"{name}_nonfinite_rows"] = bad
+        if bad:
+            f.fail(url, f"{bad} rows with NaN/Inf")
+    return f
+
+
+def verify_reordered_embeddings(layout: Layout, shard: str, rows: int | None = None, index_width: int = 0,
+                                deep: bool = False) -> Findings:
+    """``[rows, D]`` files like their clip-retrieval source; deep: row i is the embedding of the sample
+    whose key ends in i, zeros elsewhere."""
+    f = Findings()
+    pairs = [(layout.img_emb(shard), layout.reordered_img(shard)), (layout.text_emb(shard), layout.reordered_text(shard))]
+    for src_url, out_url in pairs:
+        if not storage.exists(src_url):
+            continue  # no source to compare with (a broken source is clip_embeddings' finding)
+        src = _read(f, src_url, npy_header, "npy")
+        out = _read(f, out_url, npy_header, "npy")
+        if src is None or out is None:
+            continue
+        want = ((rows if rows is not None else out[0][0]), src[0][1])
+        if out[0] != want or out[1] != src[1]:
+            f.fail(out_url, f"shape {out[0]} {out[1]}, expected {want} {src[1]}")
+        elif deep:
+            _check_placement(f, layout, shard, src_url, out_url, index_width)
+    return f
+
+
+def _check_placement(f: Findings, layout: Layout, shard: str, src_url: str, out_url: str, index_width: int) -> None:
+    src, out = storage.read_npy(src_url), storage.read_npy(out_url)
+    keys = storage.read_parquet(layout.emb_metadata(shard), ["image_path"])["image_path"].to_pylist()
+    idx = np.array([index_of_key(k, index_width) for k in keys], dtype=np.int64)
+    misplaced = int((out[idx] != src).any(axis=1).sum())
+    holes = np.setdiff1d(np.arange(out.shape[0]), idx)
+    nonzero = int(out[holes].any(axis=1).sum())
+    # summed over the image and text files: either one being wrong fails the check
+    f.facts.update(rows=int(out.shape[0]), samples=len(keys),
+                   misplaced_rows=f.facts.get("misplaced_rows", 0) + misplaced,
+                   nonzero_hole_rows=f.facts.get("nonzero_hole_rows", 0) + nonzero)
+    if misplaced or nonzero:
+        f.fail(out_url, f"{misplaced} rows not at their key's index, {nonzero} non-zero rows for failed samples")
+
+
+def verify_diffusion_samples(layout: Layout, shard: str) -> Findings:
+    """The diffusion tar (when there is one) reads to its end, each sample with .pth, .pickle and .json."""
+    f = Findings()
+    url = layout.diffusion_tar(shard)
+    if not storage.exists(url):
+        return f
+    try:
+        samples, _ = header_samples(url)
+    except Exception as e:  # noqa: BLE001 - an unreadable tar is a finding
+        f.fail(url, f"unreadable tar: {type(e).__name__}: {e}")
+        return f
+    incomplete = [s["__key__"] for s in samples if not {".pth", ".pickle", ".json"} <= set(s)]
+    if incomplete:
+        f.fail(url, f"{len(incomplete)} samples lack .pth/.pickle/.json (e.g. {incomplete[:3]})")
+    f.facts.update(samples=len(samples))
+    return f
+
+
+# ---------------------------------------------------------------- unpartitioned artifacts
+
+
+def verify_balanced_shards(layout: Layout) -> Findings:
+    """Every tar the balanced state records reads to its end with the recorded sample count."""
+    from shardprep.balanced import load_state
+
+    f = Findings()
+    state = _read(f, layout.balanced_dir + "/state.json", lambda u: load_state(layout), "balanced state")
+    if not state:
+        return f
+    for i, count in enumerate(state["counts"]):
+        url = layout.balanced_tar(i)
+        keys = _read(f, url, sample_keys, "tar")
+        if keys is not None and len(keys) != count:
+            f.fail(url, f"{len(keys)} samples, the balanced state records {count}")
+    f.facts.update(tars=len(state["counts"]))
+    return f
+
+
+def verify_wdinfo(layout: Layout, folder: str, wdinfo_url: str) -> Findings:
+    """``wdinfo.pkl`` loads and lists tars that exist."""
+    f = Findings()
+    info = _read(f, wdinfo_url, lambda u: pickle.loads(storage.read_bytes(u)), "wdinfo pickle")
+    if isinstance(info, dict):
+        for name in info.get("tar_files", []):
+            if not storage.exists(f"{folder}/{name}"):
+                f.fail(wdinfo_url, f"lists {name}, which does not exist")
+    return f
+
+
+def verify_precached_encodings(layout: Layout, chunk_size: int) -> Findings:
+    """Every precached tar reads to its end with ``chunk_size`` samples; its wdinfo loads."""
+    f = Findings()
+    if not storage.exists(layout.precached_dir):
+        return f
+    fs, root = storage.url_to_fs(layout.precached_dir)
+    for path in sorted(p for p in fs.glob(f"{root}/*.tar")):
+        url = f"{layout.precached_dir}/{path.rsplit('/', 1)[-1]}"
+        keys = _read(f, url, sample_keys, "tar")
+        if keys is not None and len(keys) != chunk_size:
+            f.fail(url, f"{len(keys)} samples, expected {chunk_size}")
+    if storage.exists(layout.precached_wdinfo):
+        f.problems += verify_wdinfo(layout, layout.precached_dir, layout.precached_wdinfo).problems
+    return f
+
+
+def verify_energon_index(dataset_dir: str) -> Findings:
+    """The ``.nv-meta`` files are there, ``index.sqlite`` opens and counts what ``.info.json`` says,
+    and every indexed tar has its ``.tar.idx``."""
+    from shardprep.energon import format as fmt
+
+    f = Findings()
+    meta = f"{dataset_dir}/{fmt.META_DIR}"
+    if not storage.exists(meta):
+        return f
+    for name in (fmt.INFO_JSON, fmt.INFO_YAML, fmt.SPLIT_YAML, fmt.DATASET_YAML, fmt.INDEX_SQLITE, fmt.INDEX_UUID):
+        if not storage.exists(f"{meta}/{name}"):
+            f.fail(f"{meta}/{name}", "missing")
+    info = _read(f, f"{meta}/{fmt.INFO_JSON}", lambda u: json.loads(storage.read_bytes(u)), ".info.json")
+    if f.problems or not isinstance(info, dict):
+        return f
+    counts = info.get("shard_counts", {})
+    for tar in counts:
+        if not storage.exists(f"{dataset_dir}/{tar}.idx"):
+            f.fail(f"{dataset_dir}/{tar}.idx", "missing (energon reads samples through it)")
+    with tempfile.NamedTemporaryFile(suffix=".sqlite") as local:
+        try:
+            storage.fetch_file(f"{meta}/{fmt.INDEX_SQLITE}", local.name)
+            with sqlite3.connect(local.name) as db:
+                n = db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
+            if n != sum(counts.values()):
+                f.fail(f"{meta}/{fmt.INDEX_SQLITE}", f"{n} samples, .info.json counts {sum(counts.values())}")
+        except (OSError, sqlite3.Error) as e:
+            f.fail(f"{meta}/{fmt.INDEX_SQLITE}", f"unreadable sqlite: {type(e).__name__}: {e}")
+    return f
+
+
+# ---------------------------------------------------------------- one entry point per shard
+
+
+def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, rows: int | None = None,
+                 read_tars: bool = True) -> Findings:
+    """The cheap checks of ``artifact``'s outputs for ``shard``: the files its stamp recorded are all
+    there at their recorded size, then the artifact's own checks (``read_tars=False``: no tar is read,
+    for the dataset report over thousands of shards)."""
+    f = Findings()
+    stamp = read_stamp(layout, artifact, shard)
+    if stamp:
+        recorded_sizes(f, stamp.get("outputs", {}))
+        if f.problems:
+            return f
+    enable_text = cfg.enable_text and cfg.caption_col is not None
+    checks = {
+        "source_parquet": lambda: verify_source_parquet(layout, shard, rows),
+        "image_shards": lambda: verify_image_shard(layout, shard, rows, read_tar=read_tars),
+        "clip_embeddings": lambda: verify_clip_embeddings(layout, shard, enable_text),
+        "reordered_embeddings": lambda: verify_reordered_embeddings(layout, shard, rows),
+        "diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
+    }
+    found = checks[artifact]()
+    found.problems = f.problems + found.problems
+    return found
+
+
+def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings:
+    """The cheap checks of an unpartitioned artifact's outputs."""
+    checks = {
+        "balanced_shards": lambda: verify_balanced_shards(layout),
+        "wdinfo": lambda: verify_wdinfo(layout, layout.balanced_dir, layout.balanced_wdinfo),
+        "precached_encodings": lambda: verify_precached_encodings(layout, cfg.tar_chunk_size),
+        "image_energon_index": lambda: verify_energon_index(layout.images_dir),
+        "diffusion_energon_index": lambda: verify_energon_index(layout.diffusion_dir),
+        "dataset_report": lambda: Findings() if storage.exists(layout.report_html) else _missing(layout.report_html),
+    }
+    return checks[artifact]()
+
+
+def _missing(url: str) -> Findings:
+    f = Findings()
+    f.fail(url, "missing")
+    return f

@@ -1,0 +1,83 @@
+"""The architecture's layering: the core library never imports the Dagster side, product code never
+edits sys.path, and the code location loads by module name from any working directory."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fixtures.configs import CHECKOUT
+
+DAGSTER_SIDE = {"dagster", "dagster_webserver", "dagster_postgres", "dagster_celery", "assets", "resources",
+                "sensors", "orchestration", "definitions", "tests", "demo", "bench"}
+PRODUCT = ["shardprep", "assets", "resources", "sensors", "orchestration", "definitions.py"]
+
+
+def _modules(*roots: str) -> list[Path]:
+    out = []
+    for root in roots:
+        path = CHECKOUT / root
+        out += [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return out
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_core_imports_nothing_of_the_dagster_side():
+    offenders = {str(p.relative_to(CHECKOUT)): sorted(_imported_roots(p) & DAGSTER_SIDE)
+                 for p in _modules("shardprep")}
+    assert {p: bad for p, bad in offenders.items() if bad} == {}
+
+
+def test_importing_the_whole_core_loads_no_dagster():
+    names = [".".join(p.relative_to(CHECKOUT).with_suffix("").parts) for p in _modules("shardprep")]
+    names = [n.removesuffix(".__init__") for n in names]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n"
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(DAGSTER_SIDE)!r})\n"
+            "print(bad)\nsys.exit(1 if bad else 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_product_code_never_edits_sys_path():
+    edits = []
+    for path in _modules(*PRODUCT):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                edits.append(f"{path.relative_to(CHECKOUT)}:{node.lineno}")
+    assert edits == []
+
+
+def test_code_location_loads_by_module_name_from_anywhere(tmp_path):
+    # as a worker on another machine loads it: the installed distribution, no checkout on sys.path
+    code = ("import definitions, sys\n"
+            "keys = sorted(k.to_user_string() for k in definitions.defs.resolve_asset_graph().get_all_asset_keys())\n"
+            "print(keys)\n")
+    env = {**os.environ, "PYTHONPATH": "", "SHARDPREP_CONFIG": str(tmp_path / "none.yaml")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "image_shards" in out.stdout and "image_energon_index" in out.stdout
+    validate = subprocess.run([str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-w",
+                               "workspace.yaml"], cwd=CHECKOUT, env={**env, "DAGSTER_HOME": str(tmp_path)},
+                              capture_output=True, text=True, timeout=300)
+    logs = validate.stdout + validate.stderr
+    assert validate.returncode == 0 and "Validation successful for code location shardprep" in logs, \
+        logs[-2000:]
+
+
+def test_the_shardprep_command_is_the_dagster_sides():
+    script = Path(sys.executable).parent / "shardprep"
+    assert "orchestration.cli" in script.read_text()
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0 and "reshard" in out.stdout

@@ -1,0 +1,127 @@
+"""Config changes are seen: an asset whose output a changed field alters is redone (and exactly those
+(asset, shard) pairs), a field that changes only speed redoes nothing, a disabled asset never claims to
+be materialized."""
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from orchestration.runner import run_pipeline
+from shardprep.config import config_from_dict
+from shardprep.layout import Layout
+from shardprep.versions import ARTIFACTS, artifact_versions, stamped_version
+from tests.fixtures import synthetic
+from tests.fixtures.configs import nemo_config, write_config
+
+BASE = {"source": "/data/*.parquet", "output_root": "/data/out"}
+
+
+def changed(**fields) -> set[str]:
+    before, after = artifact_versions(config_from_dict(BASE)), artifact_versions(config_from_dict({**BASE, **fields}))
+    return {a for a in ARTIFACTS if before[a] != after[a]}
+
+
+def test_versions_follow_the_fields_each_artifact_reads():
+    downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples",
+                            "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
+                            "diffusion_energon_index", "dataset_report"}
+    assert changed(image_size=128) == downstream_of_images
+    assert changed(clip_model="open_clip:ViT-B-32/laion2b_s34b_b79k") == {
+        "clip_embeddings", "reordered_embeddings", "dataset_report"}
+    assert changed(diffusion_resolution=256) == {"diffusion_samples", "diffusion_energon_index"}
+    assert changed(tar_chunk_size=500) == {"balanced_shards", "wdinfo", "precached_encodings"}
+    assert changed(energon_split_ratio=[0.8, 0.2, 0.0]) == {"image_energon_index", "diffusion_energon_index"}
+    # how fast, not what: nothing is stale
+    for speed in ({"thread_count": 8}, {"batch_size": 16}, {"timeout": 3}, {"decode_threads": 1},
+                  {"device": "cpu"}, {"nemo_batch_size": 2}, {"retries": 2}):
+        assert changed(**speed) == set(), speed
+    # every config field is either read by an artifact or known to change no output
+    read = {f for fields, _ in ARTIFACTS.values() for f in fields}
+    speed_only = {"source", "output_root", "samples_per_shard", "oom_shard_count", "timeout", "retries",
+                  "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device", "batch_size",
+                  "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion"}
+    assert read | speed_only == set(config_from_dict(BASE).to_dict()), "classify the new config field"
+
+
+def _materializations(instance: dg.DagsterInstance) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for key in instance.get_asset_keys():
+        records = instance.fetch_materializations(key, limit=1000).records
+        counts[key.to_user_string()] = len(records)
+    return counts
+
+
+def _redone(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {a: n - before.get(a, 0) for a, n in after.items() if n != before.get(a, 0)}
+
+
+@pytest.fixture
+def dataset(tmp_path, image_site, tiny_clip_dir, tiny_nemo_dirs):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[30], n_images=120, seed=4)
+    fields = dict(source=f"{src}/*.parquet", output_root=str(tmp_path / "out"), samples_per_shard=15,
+                  image_size=32, resize_mode="center_crop", allow_private_addresses=True,
+                  clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16, thread_count=8, timeout=5,
+                  tar_chunk_size=5, enable_nemo_diffusion=False, **nemo_config(tiny_nemo_dirs))
+    return tmp_path / "shardprep.yaml", fields
+
+
+def test_config_changes_redo_exactly_what_they_change(dataset):
+    path, fields = dataset
+    layout = Layout(fields["output_root"])
+    with dg.instance_for_test() as instance:
+        # diffusion disabled: not in the graph, no folder, never reported as materialized
+        first = run_pipeline(write_config(path, **fields), instance=instance, progress=False)
+        assert first.ok, first.failed
+        assert "diffusion_samples" not in first.materialized and "diffusion_energon_index" not in first.materialized
+        assert not Path(layout.diffusion_dir).exists()
+        assert dg.AssetKey("diffusion_samples") not in instance.get_asset_keys()
+
+        # enabled: exactly the diffusion assets run, for every shard
+        before = _materializations(instance)
+        second = run_pipeline(write_config(path, **{**fields, "enable_nemo_diffusion": True}), instance=instance,
+                              progress=False)
+        assert second.ok, second.failed
+        assert second.materialized["diffusion_samples"] == 2 and second.materialized["diffusion_energon_index"] == 1
+        assert sorted(p.name for p in Path(layout.diffusion_dir).glob("*.tar")) == ["00000.tar", "00001.tar"]
+        redone = _redone(before, _materializations(instance))
+        assert set(redone) == {"diffusion_samples", "diffusion_energon_index", "balanced_shards", "wdinfo",
+                               "precached_encodings", "image_energon_index", "dataset_report"}
+        assert redone["diffusion_samples"] == 2
+        # (the global run re-evaluates every unpartitioned asset; they are incremental and do no work)
+
+        # a speed-only field: nothing to do
+        fields = {**fields, "enable_nemo_diffusion": True}
+        third = run_pipeline(write_config(path, **{**fields, "thread_count": 4, "nemo_batch_size": 3}),
+                             instance=instance, progress=False)
+        assert third.ok and third.runs == 0
+
+        # the diffusion resolution: only the diffusion samples (and their index) are redone
+        old_tar = Path(layout.diffusion_tar("00000")).read_bytes()
+        before = _materializations(instance)
+        fourth = run_pipeline(write_config(path, **{**fields, "diffusion_resolution": 48}), instance=instance,
+                              progress=False)
+        assert fourth.ok, fourth.failed
+        redone = _redone(before, _materializations(instance))
+        assert redone.get("diffusion_samples") == 2
+        assert not {"source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings"} & set(redone)
+        assert Path(layout.diffusion_tar("00000")).read_bytes() != old_tar
+        version = artifact_versions(config_from_dict(yaml.safe_load(Path(path).read_text())))["diffusion_samples"]
+        assert stamped_version(layout, "diffusion_samples", "00000") == version
+
+
+def test_outdated_partitions_show_in_status(dataset):
+    from definitions import build_defs
+    from orchestration.status import asset_statuses, format_status
+
+    path, fields = dataset
+    with dg.instance_for_test() as instance:
+        assert run_pipeline(write_config(path, **fields), instance=instance, progress=False).ok
+        write_config(path, **{**fields, "clip_model": fields["clip_model"] + "/"})  # same model, new spelling
+        statuses = {s.asset: s for s in asset_statuses(instance, build_defs(str(path)))}
+        assert statuses["clip_embeddings"].outdated == 2 and statuses["clip_embeddings"].materialized == 0
+        assert statuses["image_shards"].outdated == 0 and statuses["image_shards"].materialized == 2
+        assert statuses["dataset_report"].state == "outdated"
+        assert "outdated" in format_status(list(statuses.values())).splitlines()[0]
