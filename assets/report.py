@@ -27,7 +27,7 @@ def dataset_report(context: dg.AssetExecutionContext, dataset: DatasetResource) 
     """``<root>/report/index.html``: a self-contained page with the success rate per shard, failures
     by reason, original image sizes, caption lengths, CLIP embedding norms and a per-shard table."""
     layout = dataset.layout
-    data = write_report(layout)
+    data = write_report(layout, cfg=dataset.config)  # broken outputs listed as `shardprep verify` finds them
     totals = data.totals
     for problem in data.problems:
         context.log.warning(problem)

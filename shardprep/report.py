@@ -21,11 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from shardprep.config import DatasetConfig
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.storage import atomic_write, read_npy, url_to_fs
+from shardprep.verify import verify_shard
+from shardprep.versions import stamped_version
 
 ROWS_PER_SHARD = 2000
+REPORTED_ARTIFACTS = ("image_shards", "clip_embeddings", "reordered_embeddings")
 PARQUET_COLUMNS = ("status", "original_width", "original_height", "caption")
 
 
@@ -88,10 +92,12 @@ def _spaced(n: int, k: int) -> np.ndarray:
     return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).astype(np.int64))
 
 
-def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int = ROWS_PER_SHARD) -> ReportData:
+def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int = ROWS_PER_SHARD,
+            cfg: DatasetConfig | None = None) -> ReportData:
     """Read what every shard has written so far. ``shards`` defaults to the ledger's; a shard whose
     outputs are missing is counted as not processed, a shard whose files cannot be read is named in
-    ``problems`` (the report still comes out)."""
+    ``problems`` (the report still comes out). With ``cfg``, every finished output of a shard is also
+    checked as ``shardprep verify`` checks it (no tar read: recorded sizes, footers, headers)."""
     if shards is None:
         ledger = load_ledger(layout)
         shards = ledger.keys() if ledger is not None else []
@@ -145,6 +151,9 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
             except (OSError, ValueError, IndexError) as e:
                 problems.append(f"shard {key}: {layout.img_emb(key)}: {type(e).__name__}: {e}")
 
+        if cfg is not None:
+            problems += _broken_outputs(layout, cfg, key)
+
     def cat(parts: list) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0)
 
@@ -152,6 +161,15 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
     keep = ~(np.isnan(widths_a) | np.isnan(heights_a)) if widths_a.size else np.zeros(0, dtype=bool)
     return ReportData(layout.root, figures, reasons, widths_a[keep], heights_a[keep], cat(captions), cat(norms),
                       dim, rows_read, rows_per_shard, problems)
+
+
+def _broken_outputs(layout: Layout, cfg: DatasetConfig, shard: str) -> list[str]:
+    out = []
+    for artifact in REPORTED_ARTIFACTS:
+        if stamped_version(layout, artifact, shard) is not None:  # finished: its outputs must be whole
+            found = verify_shard(layout, cfg, artifact, shard, read_tars=False)
+            out += [f"shard {shard}: {artifact}: {p}" for p in found.problems]
+    return out
 
 
 # -- plots: matplotlib's object API (no pyplot: no global state, safe in any thread) --------------------------
@@ -289,7 +307,7 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
         f"(at most {data.rows_per_shard:,} evenly spaced rows per shard); counts are exact.</p>",
     ]
     if data.problems:
-        parts += ['<h2 class="problems">Unreadable files</h2><ul class="problems">',
+        parts += ['<h2 class="problems">Broken or unreadable files</h2><ul class="problems">',
                   *[f"<li>{html.escape(p)}</li>" for p in data.problems], "</ul>"]
     parts.append("<h2>Plots</h2>")
     for pid, caption, png in plots:
@@ -312,9 +330,9 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
 
 
 def write_report(layout: Layout, shards: list[str] | None = None,
-                 rows_per_shard: int = ROWS_PER_SHARD) -> ReportData:
+                 rows_per_shard: int = ROWS_PER_SHARD, cfg: DatasetConfig | None = None) -> ReportData:
     """Collect every shard's figures and write ``layout.report_html`` (atomically); returns the data."""
-    data = collect(layout, shards, rows_per_shard)
+    data = collect(layout, shards, rows_per_shard, cfg)
     page = render_html(data)
     with atomic_write(layout.report_html) as f:
         f.write(page.encode("utf-8"))

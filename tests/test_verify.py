@@ -13,7 +13,9 @@ import webdataset as wds
 
 from orchestration.runner import run_pipeline
 from orchestration.verify import verify_dataset
+from shardprep.config import load_config
 from shardprep.layout import Layout
+from shardprep.report import collect
 from shardprep.verify import verify_energon_index, verify_image_shard
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config
@@ -89,6 +91,9 @@ def test_verify_cli_reports_without_marking(done):
     assert "00000.tar.idx" in out.stdout and "(not marked)" in out.stdout
     assert verify_dataset(config, instance, mark=False).broken() == {
         "reordered_embeddings": ["00002"], "image_energon_index": ["_all"]}
+    # the dataset report lists it too, found by the same code
+    problems = collect(layout, cfg=load_config(config)).problems
+    assert [p for p in problems if layout.reordered_img("00002") in p] and len(problems) == 1, problems
 
 
 def test_verify_functions_on_their_own(done):
