@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, materialize_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.diffusion import write_diffusion_samples
@@ -29,7 +29,8 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
     def encode(key: str) -> dict:
         if not exists(layout.tar(key)):
             return {"status": "no samples (shard has no tar)", "samples": 0}
-        r = write_diffusion_samples(key, layout, nemo.t5(), nemo.diffusion_autoencoder(),
+        r = write_diffusion_samples(key, layout, nemo.t5(device.torch_device),
+                                    nemo.diffusion_autoencoder(device.torch_device),
                                     resolution=cfg.diffusion_resolution, batch_size=cfg.nemo_batch_size)
         reasons: dict[str, int] = {}
         for f in r.failures:
@@ -38,4 +39,6 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
                 "failures_by_reason": dg.MetadataValue.json(reasons), "latent_shape": str(r.latent_shape),
                 "text_dim": r.text_dim or 0, "bytes": r.tar_bytes, "seconds": round(r.seconds, 3)}
 
-    return materialize_shards(context, dataset, "diffusion_samples", encode, rebuild=config.rebuild)
+    with gpu_device(context, dataset) as device:
+        result = materialize_shards(context, dataset, "diffusion_samples", encode, rebuild=config.rebuild)
+    return result._replace(metadata={**result.metadata, "device": device.name})

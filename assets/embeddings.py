@@ -6,7 +6,7 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, materialize_shards, shard_check
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, materialize_shards, shard_check
 from resources.clip import ClipResource
 from resources.dataset import DatasetResource
 from shardprep import encoders
@@ -37,19 +37,21 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     def embed(key: str) -> dict:
         if not exists(layout.tar(key)):
             return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
-        report = write_clip_embeddings(key, layout, clip.encoder(), batch_size=clip.effective_batch_size,
-                                       enable_text=enable_text)
+        report = write_clip_embeddings(key, layout, clip.encoder(device.torch_device),
+                                       batch_size=clip.effective_batch_size, enable_text=enable_text)
         return {"status": "written", "model": clip.spec, "samples": report.samples, "dim": report.dim,
                 "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
                 "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
                 "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
 
-    result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
-                                describe=lambda key: {"model": clip.spec},
-                                check=("rows_match_samples", lambda key: check_clip_embeddings(layout, key, enable_text)))
+    with gpu_device(context, dataset) as device:
+        result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
+                                    describe=lambda key: {"model": clip.spec},
+                                    check=("rows_match_samples",
+                                           lambda key: check_clip_embeddings(layout, key, enable_text)))
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard
     return result._replace(metadata={**result.metadata, "model_loads_in_process": encoders.LOAD_COUNT,
-                                     "pid": os.getpid()})
+                                     "pid": os.getpid(), "device": device.name})
 
 
 @dg.asset(

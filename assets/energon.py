@@ -5,6 +5,7 @@ import dagster as dg
 from assets.diffusion import diffusion_samples
 from assets.images import image_shards
 from assets.nemo import GLOBAL_AUTOMATION
+from assets.shard_runs import versioned
 from resources.dataset import DatasetResource
 from shardprep.energon import find_tars, update_energon_index
 from shardprep.storage import exists
@@ -45,13 +46,14 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
     Only tars not indexed before are scanned."""
     cfg, layout = dataset.config, dataset.layout
     if not exists(layout.images_dir) or not find_tars(layout.images_dir):
-        return dg.MaterializeResult(metadata={"status": "no image tars yet"},
-                                    check_results=[_covers_every_tar(layout.images_dir, None)])
+        return versioned(dataset, "image_energon_index", dg.MaterializeResult(
+            metadata={"status": "no image tars yet"},
+            check_results=[_covers_every_tar(layout.images_dir, None)]))
     report = update_energon_index(layout.images_dir, sample_type="captioning",
                                   field_map={"image": cfg.encode_format, "caption": "txt"},
                                   split_ratio=cfg.energon_split_ratio)
-    return dg.MaterializeResult(metadata=_index_metadata(report),
-                                check_results=[_covers_every_tar(layout.images_dir, report)])
+    return versioned(dataset, "image_energon_index", dg.MaterializeResult(
+        metadata=_index_metadata(report), check_results=[_covers_every_tar(layout.images_dir, report)]))
 
 
 @dg.asset(
@@ -66,8 +68,9 @@ def diffusion_energon_index(context: dg.AssetExecutionContext, dataset: DatasetR
     for NeMo's ``DiffusionDataModule`` (a val split whenever the ratio asks for one)."""
     cfg, layout = dataset.config, dataset.layout
     if not exists(layout.diffusion_dir) or not find_tars(layout.diffusion_dir):
-        return dg.MaterializeResult(metadata={"status": "no diffusion tars yet"},
-                                    check_results=[_covers_every_tar(layout.diffusion_dir, None)])
+        return versioned(dataset, "diffusion_energon_index", dg.MaterializeResult(
+            metadata={"status": "no diffusion tars yet"},
+            check_results=[_covers_every_tar(layout.diffusion_dir, None)]))
     report = update_energon_index(layout.diffusion_dir, sample_type="crude", split_ratio=cfg.energon_split_ratio)
-    return dg.MaterializeResult(metadata=_index_metadata(report),
-                                check_results=[_covers_every_tar(layout.diffusion_dir, report)])
+    return versioned(dataset, "diffusion_energon_index", dg.MaterializeResult(
+        metadata=_index_metadata(report), check_results=[_covers_every_tar(layout.diffusion_dir, report)]))

@@ -8,6 +8,7 @@ import pickle
 import dagster as dg
 
 from assets.images import image_shards
+from assets.shard_runs import gpu_device, versioned
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
@@ -57,12 +58,13 @@ def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
     waiting = [s for s in (ledger.keys() if ledger else []) if s not in done and s not in ready]
     r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final)
     write_stamp(layout, "balanced_shards", version)
-    return dg.MaterializeResult(metadata={"rebuilt_for_new_version": rebuilt, "version": version,
+    return versioned(dataset, "balanced_shards", dg.MaterializeResult(metadata={
+        "rebuilt_for_new_version": rebuilt, "version": version,
         "complete_tars": len(r.complete_tars), "new_complete_tars": len(r.new_complete_tars),
         "partial_tar_samples": r.partial_count, "samples_added": r.samples_added,
         "total_samples": r.total_samples, "shards_consumed": len(consumed) + len(ready),
         "shards_waiting": len(waiting), "chunk_size": r.chunk_size, "changed": r.changed,
-        "path": dg.MetadataValue.path(layout.balanced_dir)})
+        "path": dg.MetadataValue.path(layout.balanced_dir)}))
 
 
 def _wdinfo_lists_complete_tars(tar_dir: str, wdinfo_url: str) -> dg.AssetCheckResult:
@@ -90,10 +92,10 @@ def wdinfo(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.Ma
     balanced tars (paths relative to the balanced folder, subfolders included), as NeMo reads it."""
     cfg, layout = dataset.config, dataset.layout
     info = write_wdinfo(layout.balanced_dir, layout.balanced_wdinfo, cfg.tar_chunk_size)
-    return dg.MaterializeResult(
+    return versioned(dataset, "wdinfo", dg.MaterializeResult(
         metadata={"tar_files": len(info["tar_files"]), "total_key_count": info["total_key_count"],
                   "chunk_size": info["chunk_size"], "path": dg.MetadataValue.path(layout.balanced_wdinfo)},
-        check_results=[_wdinfo_lists_complete_tars(layout.balanced_dir, layout.balanced_wdinfo)])
+        check_results=[_wdinfo_lists_complete_tars(layout.balanced_dir, layout.balanced_wdinfo)]))
 
 
 @dg.asset(
@@ -112,17 +114,22 @@ def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResou
     rebuilt = _start_over_if_outdated(layout, layout.precached_dir, "precached_encodings", version)
     todo = [int(name.split(".")[0]) for name in sorted(complete_tar_counts(layout.balanced_dir))]
     todo = [i for i in todo if not exists(layout.precached_tar(i))]
-    encoded, seconds, nonfinite = 0, 0.0, []
-    for i in todo:
-        r = write_precached_encodings(layout.balanced_tar(i), layout.precached_tar(i), nemo.sd_autoencoder(),
-                                      nemo.clip_text(), keep_original=cfg.precache_keep_original,
-                                      resolution=cfg.precache_resolution, batch_size=cfg.nemo_batch_size)
-        encoded, seconds, nonfinite = encoded + r.samples, seconds + r.seconds, nonfinite + r.nonfinite_keys
-        context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
+    encoded, seconds, nonfinite, device_name = 0, 0.0, [], ""
+    if todo:
+        with gpu_device(context, dataset) as device:
+            device_name = device.name
+            for i in todo:
+                r = write_precached_encodings(
+                    layout.balanced_tar(i), layout.precached_tar(i), nemo.sd_autoencoder(device.torch_device),
+                    nemo.clip_text(device.torch_device), keep_original=cfg.precache_keep_original,
+                    resolution=cfg.precache_resolution, batch_size=cfg.nemo_batch_size)
+                encoded, seconds, nonfinite = encoded + r.samples, seconds + r.seconds, nonfinite + r.nonfinite_keys
+                context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
     info = write_wdinfo(layout.precached_dir, layout.precached_wdinfo, cfg.tar_chunk_size) if todo or exists(
         layout.precached_wdinfo) else {"tar_files": []}
     write_stamp(layout, "precached_encodings", version)
-    return dg.MaterializeResult(metadata={"rebuilt_for_new_version": rebuilt, "version": version,
-        "new_tars": len(todo), "samples_encoded": encoded, "seconds": round(seconds, 3),
+    return versioned(dataset, "precached_encodings", dg.MaterializeResult(metadata={
+        "rebuilt_for_new_version": rebuilt, "version": version,
+        "new_tars": len(todo), "samples_encoded": encoded, "seconds": round(seconds, 3), "device": device_name,
         "nonfinite_samples": dg.MetadataValue.json(nonfinite[:50]), "tar_files": len(info["tar_files"]),
-        "path": dg.MetadataValue.path(layout.precached_dir)})
+        "path": dg.MetadataValue.path(layout.precached_dir)}))

@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.embeddings import clip_embeddings
 from assets.images import image_shards
-from assets.shard_runs import failures_table
+from assets.shard_runs import failures_table, versioned
 from resources.dataset import DatasetResource
 from shardprep.report import write_report
 
@@ -33,11 +33,11 @@ def dataset_report(context: dg.AssetExecutionContext, dataset: DatasetResource) 
         context.log.warning(problem)
     context.log.info(f"report over {totals['shards']} shards written to {layout.report_html}")
     metadata = {k: v for k, v in totals.items() if v is not None}
-    return dg.MaterializeResult(metadata={
+    return versioned(dataset, "dataset_report", dg.MaterializeResult(metadata={
         **metadata,
         "report": dg.MetadataValue.path(layout.report_html),
         "summary": dg.MetadataValue.md(_summary_markdown(totals, layout.report_html)),
         "failures_by_reason": failures_table(dict(data.failures_by_reason)),
         "unreadable_files": len(data.problems),
         "dagster/row_count": totals["successes"],
-    })
+    }))

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import dagster as dg
+from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
 from assets.partitions import shard_partitions
 from resources.dataset import DatasetResource
 from shardprep.checks import CheckOutcome
+from shardprep.devices import Device, lease
+from shardprep.storage import lock
 from shardprep.verify import file_sizes
 from shardprep.versions import stamped_version, write_stamp
+
+REBUILD_TAG = "shardprep/rebuild"  # a run tagged "true" rebuilds like ShardRunConfig(rebuild=True)
+LOCK_STRIPES = 256  # per-(asset, shard) locks share this many lock files
+DEVICE_TAG = "shardprep/device"  # + "/<asset>": the device a GPU step of the run leased
 
 
 class ShardRunConfig(dg.Config):
@@ -70,20 +80,30 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     """
     keys = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
     layout, version = dataset.layout, dataset.versions[artifact]
+    rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
     for key in keys:
         try:
-            if not rebuild and stamped_version(layout, artifact, key) == version:
-                results[key] = {"status": "cached", **(describe(key) if describe else {})}
-            else:
-                results[key] = write(key)
-                # last: the outputs above are complete; their sizes let `verify` find one cut short later
-                write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
+            # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
+            # finds the outputs complete (local roots; on object stores Dagster's queue keeps them apart)
+            with lock(layout.root, f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"):
+                if not rebuild and stamped_version(layout, artifact, key) == version:
+                    results[key] = {"status": "cached", **(describe(key) if describe else {})}
+                else:
+                    results[key] = write(key)
+                    # last: the outputs are complete; their sizes let `verify` find one cut short later
+                    write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
         except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
             context.log.error(f"shard {key}: {type(e).__name__}: {e}")
             failures[key] = f"{type(e).__name__}: {e}"
     if failures:
+        # the shards of a batch that succeeded are materialized all the same, so their downstream
+        # assets go ahead; only the failed ones wait for a re-run
+        for key, meta in results.items():
+            context.log_event(dg.AssetMaterialization(
+                asset_key=context.asset_key, partition=key, tags={DATA_VERSION_TAG: version},
+                metadata={k: v for k, v in meta.items() if isinstance(v, (int, float, str))}))
         raise dg.Failure(
             description=f"{len(failures)} of {len(keys)} shard(s) failed: "
             + "; ".join(f"{k}: {v}" for k, v in list(failures.items())[:10]),
@@ -104,3 +124,21 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     ])
     # the version is each partition's data version: the one tag Dagster indexes per partition
     return dg.MaterializeResult(metadata=summary, check_results=checks, data_version=dg.DataVersion(version))
+
+
+def versioned(dataset: DatasetResource, artifact: str, result: dg.MaterializeResult) -> dg.MaterializeResult:
+    """``result`` with the artifact's version (``shardprep.versions``) as its data version, which
+    ``orchestration.plan`` compares with the config's to find outdated outputs."""
+    return result._replace(data_version=dg.DataVersion(dataset.versions[artifact]))
+
+
+@contextlib.contextmanager
+def gpu_device(context: dg.AssetExecutionContext, dataset: DatasetResource) -> Iterator[Device]:
+    """The device this GPU step works on, leased for the step (``shardprep.devices``: one step per
+    device, given back when the process ends however it ends) and named in a run tag, so the run shows
+    which GPU did its shards."""
+    with lease(dataset.config.device) as device:
+        context.instance.add_run_tags(context.run.run_id, {f"{DEVICE_TAG}/{context.asset_key.to_user_string()}":
+                                                       device.name})
+        context.log.info(f"{context.asset_key.to_user_string()} runs on device {device.name}")
+        yield device

@@ -18,6 +18,8 @@ def print_summary(summary) -> None:
         print(f"{asset.ljust(width)}  {done}")
     print(f"\nshards: {total} ({len(summary.new_shards)} new), runs this time: {summary.runs}, "
           f"failed: {len(summary.failed)}")
+    for backfill_id in summary.backfills:
+        print(f"backfill {backfill_id} (in the UI: Overview > Backfills)")
     for url in summary.appended_sources:
         print(f"note: rows appended to {url} became new shards")
     for url in summary.empty_sources:
@@ -36,7 +38,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if args.verify:
             _verify(args.config, mark=True)
-        summary = run_pipeline(args.config, rebuild=args.rebuild, progress=not args.no_progress)
+        summary = run_pipeline(args.config, rebuild=args.rebuild, progress=not args.no_progress,
+                               in_process=args.in_process)
     except ShardprepError as e:  # bad config, source or ledger: named, nothing was run
         print(f"shardprep: {e}", file=sys.stderr)
         return 2
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", required=True, help="dataset config YAML")
     run.add_argument("--rebuild", action="store_true", help="redo every shard, even complete ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--in-process", action="store_true",
+                     help="one shard after the other in this process, not through Dagster's run queue "
+                          "(debugging; output roots only this process sees, such as memory://)")
     run.add_argument("--verify", action="store_true",
                      help="first re-read every finished output and redo the broken ones (see `verify`)")
     run.set_defaults(func=cmd_run)

@@ -1,20 +1,40 @@
 """Locating the checkout and the Dagster instance the CLI, the demo and the UI share."""
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
-from resources.settings import load_settings
+from resources.settings import default_download_slots, default_gpu_slots, load_settings
+from shardprep.storage import file_lock
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 
-
 def pool_limits() -> dict[str, int]:
     """Pool limits set on an instance that has none yet (change them in the UI: Deployment > Concurrency).
-    One GPU step at a time per GPU; downloads are network-bound, each step already runs many threads."""
+    One GPU step per device (each leases its own, ``shardprep.devices``); downloads are network-bound
+    and each step decodes on every core, so a couple of them keep the cores busy."""
     settings = load_settings()
-    return {"gpu": settings.gpu_slots, "download": settings.download_slots}
+    return {"gpu": settings.gpu_slots or default_gpu_slots(),
+            "download": settings.download_slots or default_download_slots()}
+
+
+@contextlib.contextmanager
+def home_lock(home: str | os.PathLike | None, name: str) -> Iterator[None]:
+    """Serialise a step between the processes of one machine using one instance (``$DAGSTER_HOME``):
+    creating a fresh instance, registering partitions, planning and launching work. No home (an
+    ephemeral instance): nothing to share, no lock."""
+    if home is None:
+        yield
+        return
+    with file_lock(os.path.join(home, f".shardprep-{name}.lock")):
+        yield
+
+
+def instance_lock(instance, name: str):
+    return home_lock(getattr(instance, "root_directory", None), name)
 
 
 # The server dagster.postgres.yaml points at, unless the environment names another (the yaml can only
@@ -52,9 +72,11 @@ def apply_pool_limits(instance) -> None:
 def get_instance():
     import dagster as dg
 
-    dagster_home()
-    instance = dg.DagsterInstance.get()
-    apply_pool_limits(instance)
+    home = dagster_home()
+    # two processes creating a fresh SQLite instance at once race in its schema migration
+    with home_lock(home, "instance"):
+        instance = dg.DagsterInstance.get()
+        apply_pool_limits(instance)
     return instance
 
 

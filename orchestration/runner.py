@@ -1,43 +1,34 @@
-"""`shardprep run`: register shards for every source file, then materialize every missing
-(asset, shard) through Dagster, recorded in the instance at $DAGSTER_HOME."""
+"""`shardprep run`: register new source rows as shards, find every (asset, shard) that is missing or
+outdated (``orchestration.plan``), have Dagster materialize them, and report.
+
+Two ways to execute, one plan:
+
+* queued (the default, ``orchestration.queued``): an asset backfill of exactly those pairs, run by
+  Dagster's daemons through the instance's run queue: several shards in flight at once, bounded by the
+  instance's run limit and its ``download`` and ``gpu`` pools, like every run the UI or automation starts;
+* in process (``--in-process``, ``orchestration.in_process``): one shard after the other in this process
+  (debugging, and output roots only this process can see, such as ``memory://``).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import sys
 from dataclasses import dataclass, field
 
 import dagster as dg
+from dagster._core.storage.dagster_run import FINISHED_STATUSES
 
-from orchestration.instance import get_instance
-from orchestration.plan import current_partitions, latest_version, outdated_globals, todo_by_shard
-from shardprep.config import load_config
-from shardprep.ledger import register_sources
+from orchestration.instance import get_instance, instance_lock
+from orchestration.plan import current_partitions, latest_version, todo_by_shard
+from resources.dataset import HOST_TAG, PID_TAG
+from shardprep.config import DatasetConfig, load_config
+from shardprep.ledger import Registration, register_sources
 from shardprep.storage import pid_alive
 from shardprep.versions import artifact_versions
 
 SHARD_PARTITIONS = "shards"  # assets.partitions.shard_partitions.name
-
-QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-PID_TAG, HOST_TAG = "shardprep/pid", "shardprep/host"
-
-
-def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
-    """Mark runs of `shardprep run` processes that died (killed, machine crash) as failed and give back
-    their pool slots, which would otherwise block every later GPU or download step."""
-    host = socket.gethostname()
-    dead = []
-    in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING],
-                              tags={HOST_TAG: host})
-    for run in instance.get_runs(filters=in_flight):
-        pid = int(run.tags.get(PID_TAG, "0"))
-        if pid and pid != os.getpid() and not pid_alive(pid):
-            instance.report_run_failed(run, f"the shardprep process {pid} running it is gone")
-            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-            dead.append(run.run_id)
-    return dead
 
 
 @dataclass
@@ -52,37 +43,60 @@ class RunSummary:
     global_assets: list[str] = field(default_factory=list)  # unpartitioned: materialized is 0 or 1
     stopped_by: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
     not_run: list[str] = field(default_factory=list)  # shards left for the next run after a stop
+    backfills: list[str] = field(default_factory=list)  # queued: the backfills this run launched
 
     @property
     def ok(self) -> bool:
         return not self.failed and self.stopped_by is None
 
 
-def _failure_message(result: dg.ExecuteInProcessResult) -> str:
-    for event in result.all_events:
-        if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            err = event.step_failure_data.error
-            return f"{event.step_key}: {err.message.strip().splitlines()[0]}"
-    return "run failed"
+@dataclass
+class Plan:
+    """What a run works on: the config, its registered shards, the asset order and what is to do."""
+
+    config_path: str
+    cfg: DatasetConfig
+    registration: Registration
+    defs: dg.Definitions
+    versions: dict[str, str]
+    shard_keys: list[dg.AssetKey]  # per-shard assets, dependency order
+    global_keys: list[dg.AssetKey]  # unpartitioned assets, dependency order
+    todo: dict[str, list[dg.AssetKey]]  # shard -> assets missing or outdated
+    rebuild: bool = False
+
+    @property
+    def shards(self) -> list[str]:
+        return self.registration.all_keys
+
+    def todo_shards(self) -> list[str]:
+        return [s for s in self.shards if self.rebuild or self.todo[s]]
+
+    def assets_to_do(self, shard: str) -> list[dg.AssetKey]:
+        return self.shard_keys if self.rebuild else self.todo[shard]
+
+    def replan(self, instance: dg.DagsterInstance) -> None:
+        self.todo = todo_by_shard(instance, self.shard_keys, self.versions, self.shards)
 
 
-class _Stop:
-    """SIGTERM and SIGINT stop the run promptly: the step in progress is interrupted (Dagster fails it
-    and frees its pool slots; atomic writes leave no partial output), its run is marked cancelled,
-    and no further shard starts.
+class Stop:
+    """SIGTERM and SIGINT stop the run promptly: work in progress is interrupted or cancelled (Dagster
+    fails or cancels it and frees its pool slots; atomic writes leave no partial output), and nothing
+    further starts.
 
-    While a run executes, Dagster's own handlers turn both signals into an interrupted step, so ours
-    never sees them there; the signal numbers are read instead from the wakeup fd that Python's C-level
-    handler writes every signal to, whichever Python handler runs."""
+    While a run executes in this process, Dagster's own handlers turn both signals into an interrupted
+    step, so ours never sees them there; the signal numbers are read instead from the wakeup fd that
+    Python's C-level handler writes every signal to, whichever Python handler runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, raise_between: bool = True) -> None:
         self.signum: int | None = None
+        self.raise_between = raise_between  # in-process: a signal between runs ends the loop at once
 
     def _handle(self, signum, frame) -> None:
         self.received()
         if self.signum is None:
             self.signum = signum
-            raise KeyboardInterrupt  # between runs: stop the loop
+            if self.raise_between:
+                raise KeyboardInterrupt
 
     def received(self) -> int | None:
         """The first stop signal received so far (None: none)."""
@@ -95,7 +109,11 @@ class _Stop:
                 self.signum = signum
         return self.signum
 
-    def __enter__(self) -> _Stop:
+    @property
+    def reason(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+    def __enter__(self) -> Stop:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
@@ -111,78 +129,93 @@ class _Stop:
         os.close(self._write)
 
 
-def _register_partitions(instance: dg.DagsterInstance, keys: list[str], chunk: int = 10_000) -> None:
-    """Add new shard partitions in chunks: one call with 400,000 keys exceeds SQLite's variable limit."""
+def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
+    """Mark runs whose process on this machine died (a killed `shardprep run --in-process`, a killed
+    run worker) as failed and give back their pool slots, which would otherwise block every later GPU or
+    download step. (Dagster's run monitoring cannot tell for runs of the default run launcher.)"""
+    host = socket.gethostname()
+    dead = []
+    in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING],
+                              tags={HOST_TAG: host})
+    for run in instance.get_runs(filters=in_flight):
+        pid = int(run.tags.get(PID_TAG, "0"))
+        if pid and pid != os.getpid() and not pid_alive(pid):
+            instance.report_run_failed(run, f"the shardprep process {pid} running it is gone")
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+            dead.append(run.run_id)
+    # a run whose worker was killed is marked failed by its code server, but the slot its step held stays
+    # claimed (Dagster frees such slots only after free_slots_after_run_end_seconds, in the daemon)
+    holders = instance.event_log_storage.get_concurrency_run_ids()
+    if holders:
+        for run in instance.get_runs(filters=dg.RunsFilter(run_ids=list(holders), statuses=list(FINISHED_STATUSES))):
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+    return dead
+
+
+def register_partitions(instance: dg.DagsterInstance, keys: list[str], chunk: int = 10_000) -> int:
+    """Add the shards the instance does not know yet, in chunks (one call with 400,000 keys exceeds
+    SQLite's variable limit); idempotent, so a crash in the middle and a re-run leave exactly ``keys``.
+    Processes adding the same keys at once lose nothing: a chunk another one added first is re-read."""
     existing = set(instance.get_dynamic_partitions(SHARD_PARTITIONS))
     new = [k for k in keys if k not in existing]
     for i in range(0, len(new), chunk):
-        instance.add_dynamic_partitions(SHARD_PARTITIONS, new[i:i + chunk])
+        part = new[i:i + chunk]
+        try:
+            instance.add_dynamic_partitions(SHARD_PARTITIONS, part)
+        except Exception:  # noqa: BLE001 - a unique-key race with another process (Postgres, SQLite)
+            known = set(instance.get_dynamic_partitions(SHARD_PARTITIONS))
+            missing = [k for k in part if k not in known]
+            if missing:
+                instance.add_dynamic_partitions(SHARD_PARTITIONS, missing)
+    return len(new)
+
+
+def make_plan(config_path: str, instance: dg.DagsterInstance, rebuild: bool = False) -> Plan:
+    from definitions import build_defs
+
+    cfg = load_config(config_path)
+    reg = register_sources(cfg, config_path=config_path)  # a bad source fails here, before anything runs
+    with instance_lock(instance, "partitions"):
+        register_partitions(instance, reg.all_keys)
+    defs = build_defs(config_path)
+    graph = defs.resolve_asset_graph()
+    order = graph.toposorted_asset_keys
+    shard_keys = [k for k in order if graph.get(k).partitions_def is not None and graph.get(k).is_materializable]
+    global_keys = [k for k in order if graph.get(k).partitions_def is None and graph.get(k).is_materializable]
+    versions = artifact_versions(cfg)
+    plan = Plan(config_path, cfg, reg, defs, versions, shard_keys, global_keys, {}, rebuild)
+    plan.replan(instance)
+    return plan
 
 
 def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = True,
-                 instance: dg.DagsterInstance | None = None) -> RunSummary:
-    """Register new source rows, then materialize every (asset, shard) that is missing or outdated
-    (``orchestration.plan``), one run per shard, then the unpartitioned assets in one run."""
-    from definitions import build_defs
-
+                 instance: dg.DagsterInstance | None = None, in_process: bool = False) -> RunSummary:
+    """Register new source rows, then materialize every (asset, shard) that is missing or outdated and
+    the unpartitioned assets after them (queued through Dagster's daemons, or ``in_process``)."""
     config_path = os.path.abspath(config_path)
-    cfg = load_config(config_path)
-    reg = register_sources(cfg, config_path=config_path)  # a bad source fails here, before anything runs
     instance = instance or get_instance()
     recover_dead_runs(instance)
-    _register_partitions(instance, reg.all_keys)
+    plan = make_plan(config_path, instance, rebuild)
+    summary = RunSummary(plan.shards, plan.registration.new_keys,
+                         appended_sources=plan.registration.appended_sources,
+                         empty_sources=plan.registration.empty_sources)
+    if in_process:
+        from orchestration.in_process import execute
 
-    defs = build_defs(config_path)
-    versions = artifact_versions(cfg)
-    job = defs.resolve_job_def("shards_job")
-    graph_order = defs.resolve_asset_graph().toposorted_asset_keys
-    order = [k for k in graph_order if k in job.asset_layer.selected_asset_keys]
-    todo_assets = todo_by_shard(instance, order, versions, reg.all_keys)
-    summary = RunSummary(reg.all_keys, reg.new_keys, appended_sources=reg.appended_sources,
-                         empty_sources=reg.empty_sources)
-    todo = [s for s in reg.all_keys if rebuild or todo_assets[s]]
-    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+        execute(plan, instance, summary, progress)
+    else:
+        from orchestration.queued import execute
 
-    from tqdm import tqdm
+        execute(plan, instance, summary, progress)
+    return _finish(plan, instance, summary)
 
-    bar = tqdm(todo, desc="shards", unit="shard", disable=not progress, file=sys.stderr)
-    with _Stop() as stop:
-        try:
-            for shard in bar:
-                selection = order if rebuild else todo_assets[shard]
-                run_config = dict(QUIET_RUN_CONFIG)
-                if rebuild:
-                    run_config["ops"] = {k.to_python_identifier(): {"config": {"rebuild": True}} for k in selection}
-                result = job.execute_in_process(partition_key=shard, instance=instance, asset_selection=selection,
-                                                run_config=run_config, raise_on_error=False, tags=tags)
-                summary.runs += 1
-                if stop.received() is not None:
-                    instance.report_run_canceled(result.dagster_run, f"stopped by {signal.Signals(stop.signum).name}")
-                    break
-                if not result.success:
-                    summary.failed[shard] = _failure_message(result)
-                bar.set_postfix(failed=len(summary.failed))
-            # the unpartitioned outputs (balanced tars, wdinfo, precache, energon indexes) catch up in one run
-            global_jobdef = defs.resolve_job_def("global_job")
-            global_keys = [k for k in graph_order if k in global_jobdef.asset_layer.selected_asset_keys]
-            if stop.received() is None and (summary.runs or rebuild or outdated_globals(instance, global_keys, versions)):
-                bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")
-                result = global_jobdef.execute_in_process(instance=instance, run_config=QUIET_RUN_CONFIG,
-                                                          raise_on_error=False, tags=tags)
-                summary.runs += 1
-                if stop.received() is not None:
-                    instance.report_run_canceled(result.dagster_run, f"stopped by {signal.Signals(stop.signum).name}")
-                elif not result.success:
-                    summary.failed["(global)"] = _failure_message(result)
-        except KeyboardInterrupt:  # a signal between two runs: nothing of ours was in flight
-            pass
-    if stop.signum is not None:
-        summary.stopped_by = stop.signum
-        done = set(current_partitions(instance, order[-1], versions.get(order[-1].path[-1]))) if order else set()
-        summary.not_run = [s for s in todo if s not in done]
-    summary.materialized = {k.to_user_string(): len(current_partitions(instance, k, versions.get(k.path[-1])))
-                            for k in order}
-    for k in global_keys if stop.signum is None else []:
-        summary.materialized[k.to_user_string()] = int(latest_version(instance, k) == versions.get(k.path[-1]))
+
+def _finish(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary) -> RunSummary:
+    current = {k: current_partitions(instance, k, plan.versions.get(k.path[-1])) for k in plan.shard_keys}
+    if summary.stopped_by is not None:
+        summary.not_run = [s for s in plan.todo_shards() if not all(s in current[k] for k in plan.shard_keys)]
+    summary.materialized = {k.to_user_string(): len(current[k] & set(plan.shards)) for k in plan.shard_keys}
+    for k in plan.global_keys if summary.stopped_by is None else []:
+        summary.materialized[k.to_user_string()] = int(latest_version(instance, k) == plan.versions.get(k.path[-1]))
         summary.global_assets.append(k.to_user_string())
     return summary

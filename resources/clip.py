@@ -22,6 +22,7 @@ class ClipResource(dg.ConfigurableResource):
     def effective_batch_size(self) -> int:
         return self.batch_size or self.dataset.config.batch_size
 
-    def encoder(self) -> ClipEncoder:
-        # cached per process in shardprep.encoders, so a multi-shard run loads the model once
-        return load_clip_encoder(self.spec, device=self.device or self.dataset.config.device)
+    def encoder(self, device: str | None = None) -> ClipEncoder:
+        """The model on ``device`` (the step's leased device; default: the configured one). Cached per
+        process and device in shardprep.encoders, so a multi-shard run loads the model once."""
+        return load_clip_encoder(self.spec, device=device or self.device or self.dataset.config.device)

@@ -1,8 +1,11 @@
 """The dataset resource: one YAML config (source, output root, processing options) for every asset."""
 
 import functools
+import os
+import socket
 
 import dagster as dg
+from pydantic import PrivateAttr
 
 from shardprep.config import DatasetConfig, load_config
 from shardprep.layout import Layout
@@ -26,19 +29,39 @@ def load_dataset(path: str) -> tuple[DatasetConfig, dict[str, str]]:
     return _load(path, stamp)
 
 
+CONFIG_TAG = "shardprep/config"  # a run carrying it runs that config, whatever the code location serves
+# the process and machine executing a run: `shardprep run` marks the run failed when that process is gone
+PID_TAG, HOST_TAG = "shardprep/pid", "shardprep/host"
+
+
 class DatasetResource(dg.ConfigurableResource):
-    """Points at the dataset config file; every asset reads paths and options through it."""
+    """Points at the dataset config file; every asset reads paths and options through it.
+
+    ``config_path`` is the code location's config (``SHARDPREP_CONFIG``: UI, sensor and automation
+    runs). A run tagged ``shardprep/config`` (what ``shardprep run --config`` submits) uses that file
+    instead, so a run always executes the config that launched it, whichever daemon launches it."""
 
     config_path: str
+    _run_config_path: str | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        run = context.run
+        self._run_config_path = run.tags.get(CONFIG_TAG) if run is not None else None
+        if run is not None and context.instance is not None and run.tags.get(PID_TAG) != str(os.getpid()):
+            context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()})
+
+    @property
+    def path(self) -> str:
+        return self._run_config_path or self.config_path
 
     @property
     def config(self) -> DatasetConfig:
-        return load_dataset(self.config_path)[0]
+        return load_dataset(self.path)[0]
 
     @property
     def versions(self) -> dict[str, str]:
         """``{artifact: version}`` of this config (``shardprep.versions``)."""
-        return load_dataset(self.config_path)[1]
+        return load_dataset(self.path)[1]
 
     @property
     def layout(self) -> Layout:

@@ -12,18 +12,20 @@ class NemoEncoders(dg.ConfigurableResource):
 
     dataset: DatasetResource
 
-    def t5(self) -> T5TextEncoder:
-        cfg = self.dataset.config
-        return T5TextEncoder(cfg.diffusion_t5_model, device=cfg.device, max_length=512)
+    # ``device``: the step's leased device (default: the configured one)
 
-    def diffusion_autoencoder(self) -> ImageAutoencoder:
+    def t5(self, device: str | None = None) -> T5TextEncoder:
         cfg = self.dataset.config
-        return ImageAutoencoder(cfg.diffusion_autoencoder, device=cfg.device)
+        return T5TextEncoder(cfg.diffusion_t5_model, device=device or cfg.device, max_length=512)
 
-    def sd_autoencoder(self) -> ImageAutoencoder:
+    def diffusion_autoencoder(self, device: str | None = None) -> ImageAutoencoder:
         cfg = self.dataset.config
-        return ImageAutoencoder(cfg.sd_autoencoder, device=cfg.device)
+        return ImageAutoencoder(cfg.diffusion_autoencoder, device=device or cfg.device)
 
-    def clip_text(self) -> ClipTextEncoder:
+    def sd_autoencoder(self, device: str | None = None) -> ImageAutoencoder:
         cfg = self.dataset.config
-        return ClipTextEncoder(cfg.sd_clip_text_model, device=cfg.device)
+        return ImageAutoencoder(cfg.sd_autoencoder, device=device or cfg.device)
+
+    def clip_text(self, device: str | None = None) -> ClipTextEncoder:
+        cfg = self.dataset.config
+        return ClipTextEncoder(cfg.sd_clip_text_model, device=device or cfg.device)

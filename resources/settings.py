@@ -36,25 +36,27 @@ class Settings:
     # SHARDPREP_DOWNLOAD_SHARDS_PER_RUN: shards per backfill run of source_parquet / image_shards
     download_shards_per_run: int = 4
     # SHARDPREP_GPU_SLOTS: slots of the `gpu` pool set on an instance that has none yet
-    gpu_slots: int = 1
+    # (default: one per visible GPU, 1 without GPUs; each GPU step leases its own device)
+    gpu_slots: int | None = None
     # SHARDPREP_DOWNLOAD_SLOTS: slots of the `download` pool set on an instance that has none yet
-    download_slots: int = 2
+    # (default: half the cores, at least 2: each download step already decodes on every core)
+    download_slots: int | None = None
 
 
 def env_name(field: str) -> str:
     return f"SHARDPREP_{field.upper()}"
 
 
-def _parse(field: str, raw: str, default):
+def _parse(field: str, raw: str, kind: str):
     name = env_name(field)
-    if isinstance(default, bool):
+    if kind == "bool":
         value = raw.strip().lower()
         if value in ("on", "1", "true", "yes"):
             return True
         if value in ("off", "0", "false", "no"):
             return False
         raise SettingsError(f"environment setting {name}={raw!r}: must be on or off")
-    if isinstance(default, int):
+    if kind.startswith("int"):
         try:
             number = int(raw)
         except ValueError:
@@ -74,5 +76,15 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     for f in fields(Settings):
         raw = environ.get(env_name(f.name))
         if raw is not None:
-            values[f.name] = _parse(f.name, raw, f.default)
+            values[f.name] = _parse(f.name, raw, str(f.type))
     return Settings(**values)
+
+
+def default_download_slots() -> int:
+    return max(2, (os.cpu_count() or 2) // 2)
+
+
+def default_gpu_slots() -> int:
+    from shardprep.devices import visible_devices
+
+    return len(visible_devices())

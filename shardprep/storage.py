@@ -272,7 +272,15 @@ def lock(root_url: str, name: str) -> Iterator[None]:
     _, root = url_to_fs(root_url)
     folder = os.path.join(root, ".shardprep", "locks")
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"{name}.lock"), "w") as fh:
+    with file_lock(os.path.join(folder, f"{name}.lock")):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(path: str) -> Iterator[None]:
+    """An exclusive ``flock`` on the local file ``path`` for the block; the kernel releases it when the
+    holder dies, however it dies, so a crash never leaves a stale lock."""
+    with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

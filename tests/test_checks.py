@@ -45,7 +45,7 @@ def test_failed_check_blocks_downstream(tmp_path, image_site, tiny_clip_dir):
     home = tmp_path / "home"
     home.mkdir()
     with dg.instance_for_test(temp_dir=str(home)) as instance:
-        assert run_pipeline(config, instance=instance, progress=False).ok
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
         assert check_image_shard(layout, "00000").passed
         assert check_clip_embeddings(layout, "00000").passed
         assert check_reordered_embeddings(layout, "00000", rows=20, index_width=2).passed
@@ -70,7 +70,7 @@ def test_checks_catch_misplaced_and_nonfinite_rows(tmp_path, image_site, tiny_cl
     home = tmp_path / "home"
     home.mkdir()
     with dg.instance_for_test(temp_dir=str(home)) as instance:
-        assert run_pipeline(config, instance=instance, progress=False).ok
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
     reordered = np.load(layout.reordered_img("00000"))
     np.save(layout.reordered_img("00000"), np.roll(reordered, 1, axis=0))
     outcome = check_reordered_embeddings(layout, "00000", rows=20, index_width=2)

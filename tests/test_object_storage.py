@@ -47,12 +47,12 @@ def test_whole_pipeline_on_a_memory_root(memory_dataset, tmp_path, monkeypatch):
     fs, config, layout = memory_dataset
     monkeypatch.chdir(tmp_path)  # a "memory:" folder would appear here if a URL were used as a local path
     with dg.instance_for_test() as instance:
-        summary = run_pipeline(config, instance=instance, progress=False)
+        summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert summary.ok, summary.failed
         assert summary.shards == ["00000", "00001", "00002"]
         assert all(n == 3 for a, n in summary.materialized.items() if a not in summary.global_assets)
         assert all(summary.materialized[a] == 1 for a in summary.global_assets)
-        again = run_pipeline(config, instance=instance, progress=False)
+        again = run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert again.ok and again.runs == 0
     assert not any(p.name.startswith("memory") for p in tmp_path.rglob("*")), "a URL was used as a local path"
     assert not [p for p in fs.find(layout.root) if ".tmp-" in p]

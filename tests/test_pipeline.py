@@ -18,6 +18,7 @@ from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
+from tests.fixtures.live_dagster import prepare_home
 
 SHARD_ASSETS = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples"]
 GLOBAL_ASSETS = ["balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",
@@ -32,8 +33,8 @@ def materialized(n_shards: int) -> dict:
 # incremental test (after it) re-runs it and adds a source file.
 @pytest.fixture(scope="module")
 def instance(tmp_path_factory):
-    home = tmp_path_factory.mktemp("dagster_home")
-    with dg.instance_for_test(temp_dir=str(home)) as inst:
+    home = prepare_home(tmp_path_factory.mktemp("dagster_home"))  # the repo's dagster.yaml: queued runs
+    with dg.DagsterInstance.from_config(str(home)) as inst:
         yield inst
 
 
@@ -71,8 +72,9 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
     from embedding_reader import EmbeddingReader
 
     config, layout, _ = dataset
-    summary = run_pipeline(config, instance=instance, progress=False)
+    summary = run_pipeline(config, instance=instance, progress=False)  # the default: queued, through the daemon
     assert summary.ok, summary.failed
+    assert len(summary.backfills) == 2 and summary.runs >= 3  # shards in batches, then the unpartitioned assets
     assert summary.shards == ["00000", "00001", "00002", "00003", "00004"]
     assert summary.materialized == materialized(5)
 
@@ -196,18 +198,18 @@ def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
 
 def test_rerun_does_only_missing_work(dataset, instance, image_site):
     config, layout, src = dataset  # already run by the test above (or run now when selected alone)
-    first = run_pipeline(config, instance=instance, progress=False)
+    first = run_pipeline(config, instance=instance, progress=False, in_process=True)
     assert first.ok and first.runs in (0, 6)  # 5 shards + the global run, when not run before
     before = _snapshot(Path(layout.root))
     complete_before = list(complete_tar_counts(layout.balanced_dir))
 
-    again = run_pipeline(config, instance=instance, progress=False)
+    again = run_pipeline(config, instance=instance, progress=False, in_process=True)
     assert again.ok and again.runs == 0 and again.new_shards == []
     assert _snapshot(Path(layout.root)) == before
 
     synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[25], n_images=120, seed=9,
                                    prefix="zz-new")
-    third = run_pipeline(config, instance=instance, progress=False)
+    third = run_pipeline(config, instance=instance, progress=False, in_process=True)
     assert third.ok and third.new_shards == ["00005", "00006"] and third.runs == 3  # 2 shards + global run
     after = _snapshot(Path(layout.root))
     # per-shard outputs and complete balanced tars never change; energon keeps old tars' .tar.idx

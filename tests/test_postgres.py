@@ -35,7 +35,7 @@ checkout, config, shard = sys.argv[1:4]
 
 from definitions import build_defs
 from orchestration.instance import get_instance
-from orchestration.runner import QUIET_RUN_CONFIG
+from orchestration.in_process import QUIET_RUN_CONFIG
 
 instance = get_instance()
 job = build_defs(config).resolve_job_def("shards_job")

@@ -199,7 +199,7 @@ def run(tmp_path_factory, image_site, tiny_clip_dir):
     defs = dg.Definitions(assets=[source_parquet, image_shards, clip_embeddings, reordered_embeddings,
                                   dataset_report], resources={"dataset": dataset, "clip": ClipResource(dataset=dataset)})
     before_report = {s.asset: s for s in asset_statuses(instance, defs)}  # nothing run yet
-    summary = run_pipeline(config, instance=instance, progress=False)
+    summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
     # a new source file registered (as the sensor does) but not run yet: shard 00004 is missing everywhere
     synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[15], n_images=120, seed=9,
                                    prefix="zz-new")

@@ -67,14 +67,14 @@ def _rewrite(path: Path, table: pa.Table) -> None:
 def test_appended_rows_become_new_shards_and_are_processed(source):
     path, config, layout, base_url = source
     with dg.instance_for_test() as instance:
-        first = run_pipeline(config, instance=instance, progress=False)
+        first = run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert first.ok and first.shards == ["00000", "00001", "00002"]  # 20 + 20 + 10 rows
         tars = {s: Path(layout.tar(s)).read_bytes() for s in first.shards}
 
         extra = synthetic.source_rows(base_url, 50, n_images=120, seed=7, start=50)
         table = pq.read_table(path)
         _rewrite(path, pa.concat_tables([table, pa.table(extra, schema=table.schema)]))
-        second = run_pipeline(config, instance=instance, progress=False)
+        second = run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert second.ok, second.failed
         assert second.new_shards == ["00003", "00004", "00005"] and second.appended_sources
         ledger = load_ledger(layout)
@@ -87,18 +87,18 @@ def test_appended_rows_become_new_shards_and_are_processed(source):
 def test_rewritten_file_needs_reshard_which_redoes_only_changed_shards(source):
     path, config, layout, _ = source
     with dg.instance_for_test() as instance:
-        assert run_pipeline(config, instance=instance, progress=False).ok
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
         table = pq.read_table(path).to_pydict()
         table["caption"][25] = "a caption rewritten after registration"  # a row of shard 00001
         _rewrite(path, pa.table(table, schema=pq.read_schema(path)))
         with pytest.raises(SourceChangedError) as e:
-            run_pipeline(config, instance=instance, progress=False)
+            run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert str(path) in str(e.value) and "shardprep reshard --config" in str(e.value)
 
         result = reshard(config, str(path), instance=instance)
         assert result.invalidated == ["00001"] and result.new_keys == []
         tars = {s: Path(layout.tar(s)).read_bytes() for s in ("00000", "00002")}
-        again = run_pipeline(config, instance=instance, progress=False)
+        again = run_pipeline(config, instance=instance, progress=False, in_process=True)
         assert again.ok and again.runs == 2  # shard 00001 and the global run
         assert {s: Path(layout.tar(s)).read_bytes() for s in ("00000", "00002")} == tars
         assert pq.read_table(layout.source_parquet("00001"))["caption"][5].as_py() == table["caption"][25]

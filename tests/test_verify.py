@@ -43,7 +43,7 @@ def done(tmp_path, image_site, tiny_clip_dir):
                           enable_nemo_text2img=False, enable_nemo_diffusion=False)
     home = prepare_home(tmp_path / "home")
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        assert run_pipeline(config, instance=instance, progress=False).ok
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
         yield config, Layout(str(tmp_path / "out")), instance, home
 
 
@@ -70,7 +70,7 @@ def test_verify_names_each_broken_output_and_run_repairs_only_those(done):
         assert url in text
     assert "truncated" in text and "missing" in text
 
-    summary = run_pipeline(config, instance=instance, progress=False)
+    summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
     assert summary.ok and summary.runs == 4  # three shard runs (one asset each) and the global step
     per_shard = {k for k in _materialized_since(instance, before) if k[1] is not None}
     assert per_shard == {("image_shards", "00001"), ("image_shards", "00002"), ("clip_embeddings", "00000")}

@@ -73,7 +73,7 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
     layout = Layout(fields["output_root"])
     with dg.instance_for_test() as instance:
         # diffusion disabled: not in the graph, no folder, never reported as materialized
-        first = run_pipeline(write_config(path, **fields), instance=instance, progress=False)
+        first = run_pipeline(write_config(path, **fields), instance=instance, progress=False, in_process=True)
         assert first.ok, first.failed
         assert "diffusion_samples" not in first.materialized and "diffusion_energon_index" not in first.materialized
         assert not Path(layout.diffusion_dir).exists()
@@ -81,7 +81,7 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
 
         # enabled: exactly the diffusion assets run, for every shard
         before = _materializations(instance)
-        second = run_pipeline(write_config(path, **{**fields, "enable_nemo_diffusion": True}), instance=instance,
+        second = run_pipeline(write_config(path, **{**fields, "enable_nemo_diffusion": True}), instance=instance, in_process=True,
                               progress=False)
         assert second.ok, second.failed
         assert second.materialized["diffusion_samples"] == 2 and second.materialized["diffusion_energon_index"] == 1
@@ -95,13 +95,13 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
         # a speed-only field: nothing to do
         fields = {**fields, "enable_nemo_diffusion": True}
         third = run_pipeline(write_config(path, **{**fields, "thread_count": 4, "nemo_batch_size": 3}),
-                             instance=instance, progress=False)
+                             instance=instance, progress=False, in_process=True)
         assert third.ok and third.runs == 0
 
         # the diffusion resolution: only the diffusion samples (and their index) are redone
         old_tar = Path(layout.diffusion_tar("00000")).read_bytes()
         before = _materializations(instance)
-        fourth = run_pipeline(write_config(path, **{**fields, "diffusion_resolution": 48}), instance=instance,
+        fourth = run_pipeline(write_config(path, **{**fields, "diffusion_resolution": 48}), instance=instance, in_process=True,
                               progress=False)
         assert fourth.ok, fourth.failed
         redone = _redone(before, _materializations(instance))
@@ -118,7 +118,7 @@ def test_outdated_partitions_show_in_status(dataset):
 
     path, fields = dataset
     with dg.instance_for_test() as instance:
-        assert run_pipeline(write_config(path, **fields), instance=instance, progress=False).ok
+        assert run_pipeline(write_config(path, **fields), instance=instance, progress=False, in_process=True).ok
         write_config(path, **{**fields, "clip_model": fields["clip_model"] + "/"})  # same model, new spelling
         statuses = {s.asset: s for s in asset_statuses(instance, build_defs(str(path)))}
         assert statuses["clip_embeddings"].outdated == 2 and statuses["clip_embeddings"].materialized == 0

@@ -1,0 +1,196 @@
+"""`shardprep run`'s work handed to Dagster: an asset backfill of exactly the (asset, shard) pairs to do.
+
+Dagster's BackfillDaemon turns it into runs as their upstream partitions materialize, batched by each
+asset's BackfillPolicy (one model load per batch), and submits them to the run queue, where the
+QueuedRunCoordinator launches them within the instance's run and pool limits: the same machinery that
+runs the UI's backfills and automation, so every way of launching work shares one concurrency. When no
+daemon serves the instance, one is started (``orchestration.queue_daemon``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import dagster as dg
+from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
+from dagster._core.definitions.partitions.context import partition_loading_context
+from dagster._core.events import DagsterEventType
+from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus, PartitionBackfill
+from dagster._core.utils import make_new_backfill_id
+
+from orchestration.queue_daemon import IN_FLIGHT, lock_path
+
+SHARDS = "shards"  # assets.partitions.shard_partitions
+HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
+ACTIVE = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
+Pairs = dict[dg.AssetKey, set[str]]  # asset -> shards (unpartitioned assets: {""})
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+_spawned: dict[str, subprocess.Popen] = {}  # instance root -> the private daemon this process started
+
+
+def ensure_daemon(instance: dg.DagsterInstance) -> str:
+    """Make sure a daemon turns backfills into runs and launches them: ``external`` (a dagster-daemon
+    serves the instance), ``private`` (ours runs), or ``started`` (ours was started now)."""
+    spawned = _spawned.get(instance.root_directory)
+    if spawned is not None and spawned.poll() is None:
+        return "private"  # the one started here is alive (it may still be importing, before its lock)
+    with open(lock_path(), "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "private"
+        fh.seek(0)
+        dead_id = fh.read().strip()  # the last private daemon's id: its heartbeats are stale
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    heartbeat = instance.get_daemon_heartbeats().get("BACKFILL")
+    if heartbeat is not None and heartbeat.daemon_id != dead_id and \
+            time.time() - heartbeat.timestamp < HEARTBEAT_FRESH_SECONDS:
+        return "external"
+    log = open(os.path.join(instance.root_directory, "shardprep_daemon.log"), "ab")
+    _spawned[instance.root_directory] = subprocess.Popen(
+        [sys.executable, "-m", "orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, env={**os.environ, "DAGSTER_HOME": instance.root_directory},
+        start_new_session=True)  # outlives this process: it finishes the runs it launched
+    return "started"
+
+
+# ---------------------------------------------------------------- backfills
+
+
+def launch(instance: dg.DagsterInstance, pairs: Pairs, *, tags: dict[str, str], title: str,
+           run_config: dict | None = None) -> str:
+    """Create an asset backfill of exactly ``pairs``; returns its id (the daemon takes it from there)."""
+    from assets import shard_partitions
+
+    subset = AssetGraphSubset(
+        partitions_subsets_by_asset_key={k: shard_partitions.subset_with_partition_keys(sorted(v))
+                                         for k, v in pairs.items() if "" not in v},
+        non_partitioned_asset_keys={k for k, v in pairs.items() if "" in v})
+    backfill = PartitionBackfill.from_asset_graph_subset(
+        backfill_id=make_new_backfill_id(), backfill_timestamp=time.time(), tags=tags,
+        dynamic_partitions_store=instance, asset_graph_subset=subset, title=title,
+        description=f"{len(pairs)} assets, {sum(map(len, pairs.values()))} (asset, shard) pairs",
+        run_config=run_config)
+    instance.add_backfill(backfill)
+    return backfill.backfill_id
+
+
+def cancel(instance: dg.DagsterInstance, backfill_id: str) -> None:
+    """Ask the daemon to cancel the backfill: queued runs are dropped, running ones terminated."""
+    backfill = instance.get_backfill(backfill_id)
+    if backfill is not None and backfill.status == BulkActionStatus.REQUESTED:
+        instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELING))
+
+
+@dataclass
+class Progress:
+    status: BulkActionStatus
+    done: Pairs = field(default_factory=dict)  # materialized by the backfill
+    failed: Pairs = field(default_factory=dict)  # failed, or not run because an upstream failed
+
+    @property
+    def finished(self) -> bool:
+        return self.status not in ACTIVE
+
+
+def _pairs(subset: AssetGraphSubset) -> Pairs:
+    out: Pairs = defaultdict(set)
+    for key, partitions in subset.partitions_subsets_by_asset_key.items():
+        out[key] |= set(partitions.get_partition_keys())
+    for key in subset.non_partitioned_asset_keys:
+        out[key].add("")
+    return dict(out)
+
+
+def progress(instance: dg.DagsterInstance, backfill_id: str) -> Progress:
+    backfill = instance.get_backfill(backfill_id)
+    data = backfill.asset_backfill_data
+    if data is None:
+        return Progress(backfill.status)
+    return Progress(backfill.status, _pairs(data.materialized_subset), _pairs(data.failed_and_downstream_subset))
+
+
+def in_flight(instance: dg.DagsterInstance) -> tuple[Pairs, list[str]]:
+    """The (asset, shard) pairs some active backfill or run still has to do (whoever launched it:
+    another `shardprep run`, the UI, automation), and the ids of those backfills."""
+    pairs: Pairs = defaultdict(set)
+    ids = []
+    for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=ACTIVE)):
+        data = backfill.asset_backfill_data
+        if data is None:
+            continue
+        ids.append(backfill.backfill_id)
+        left = data.target_subset - data.materialized_subset - data.failed_and_downstream_subset
+        for key, shards in _pairs(left).items():
+            pairs[key] |= shards
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
+        if "dagster/backfill" in run.tags or not run.asset_selection:
+            continue
+        for key in run.asset_selection:
+            pairs[key] |= set(run_partitions(instance, run)) or {""}
+    return dict(pairs), ids
+
+
+def run_partitions(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[str]:
+    """The shards a run materializes: its partition, or every shard of its partition range."""
+    from assets import shard_partitions
+
+    if "dagster/partition" in run.tags:
+        return [run.tags["dagster/partition"]]
+    start, end = run.tags.get("dagster/asset_partition_range_start"), run.tags.get("dagster/asset_partition_range_end")
+    if start is None or end is None:
+        return []
+    with partition_loading_context(dynamic_partitions_store=instance):
+        return list(shard_partitions.get_partition_keys_in_range(dg.PartitionKeyRange(start, end)))
+
+
+def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
+    """``{shard: first error}`` for every shard the backfill did not materialize entirely ("(global)" for
+    unpartitioned assets): a batched step reports each shard's own error (``assets.shard_runs``), else a
+    step's error counts for every shard of its run; a run that died without a step failure (its worker
+    killed) gives its run failure; a pair no run reached is "not materialized"."""
+    out: dict[str, str] = {}
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id},
+                                                   statuses=[dg.DagsterRunStatus.FAILURE]))
+    for run in runs:
+        shards = run_partitions(instance, run) or ["(global)"]
+        run_error = None
+        for record in instance.all_logs(run.run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE,
+                                                             DagsterEventType.ENGINE_EVENT}):
+            event = record.dagster_event
+            if event.event_type == DagsterEventType.ENGINE_EVENT:
+                if "terminated by signal" in (record.message or ""):  # the code server saw its worker die
+                    run_error = record.message.split("] ", 1)[-1].split(". ")[0]
+                continue
+            if event.event_type == DagsterEventType.RUN_FAILURE:
+                run_error = run_error or (record.message or "run failed").strip().splitlines()[0]
+                continue
+            data = event.step_failure_data
+            per_shard = {}
+            if data.user_failure_data is not None:
+                value = data.user_failure_data.metadata.get("failed_shards")
+                per_shard = dict(getattr(value, "value", None) or {})
+            message = (data.error.message.strip().splitlines() or ["failed"])[0] if data.error else "failed"
+            for shard in shards:
+                if shard not in out and (not per_shard or shard in per_shard):
+                    out[shard] = f"{event.step_key}: {per_shard.get(shard, message)}"
+        for shard in shards:
+            if shard not in out and run_error is not None:
+                out[shard] = f"run {run.run_id[:8]}: {run_error}"
+    backfill = instance.get_backfill(backfill_id)
+    data = backfill.asset_backfill_data if backfill is not None else None
+    if data is not None:
+        for key, shards in _pairs(data.target_subset - data.materialized_subset).items():
+            for shard in shards:
+                out.setdefault(shard or "(global)", f"{key.to_user_string()}: not materialized")
+    return out

@@ -1,0 +1,128 @@
+"""Dagster's backfill and run-queue daemons for an instance that has none running: `shardprep run`
+starts this when no `dagster-daemon` (e.g. `make ui`'s) serves the instance. Its backfills are then
+turned into runs by Dagster's BackfillDaemon (dependencies, BackfillPolicy batches), queued, and
+launched by the QueuedRunCoordinatorDaemon with the instance's run launcher, bounded by the instance's
+run and pool limits -- the machinery the UI uses. Sensors, schedules and automation do not run here.
+
+    python -m orchestration.queue_daemon [--idle-seconds 20]
+
+One per instance (an exclusive lock in ``$DAGSTER_HOME``). It exits once the instance has had no
+backfill or run in progress for ``--idle-seconds``, so the last shard's run is never cut off by the
+process that launched it exiting. Its daemon id is written into the lock file, so a client that finds
+the lock free knows that heartbeats with that id are a dead daemon's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import sys
+import time
+
+import dagster as dg
+
+from orchestration.instance import dagster_home, get_instance
+
+LOCK_NAME = ".shardprep-queue-daemon.lock"
+IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+             dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+HEARTBEAT_SECONDS = 5  # a private daemon's heartbeats: clients see it alive within this
+
+
+def lock_path() -> str:
+    return str(dagster_home() / LOCK_NAME)
+
+
+def work_in_flight(instance: dg.DagsterInstance) -> bool:
+    from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
+
+    if instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
+        return True
+    active = BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING])
+    return bool(instance.get_backfills(filters=active, limit=1))
+
+
+def _backfill_daemon(settings):
+    """Dagster's BackfillDaemon iterating every second instead of every 30 s: stage transitions of a
+    small run are not held up by the daemon's sleep (dagster#11649)."""
+    from dagster._daemon.backfill import execute_backfill_iteration
+    from dagster._daemon.daemon import BackfillDaemon, SpanMarker
+
+    class EverySecond(BackfillDaemon):
+        def core_loop(self, workspace_process_context, shutdown_event):
+            futures: dict = {}
+            while not shutdown_event.is_set():
+                yield SpanMarker.START_SPAN
+                try:
+                    yield from execute_backfill_iteration(workspace_process_context, self._logger,
+                                                          threadpool_executor=self._threadpool_executor,
+                                                          backfill_futures=futures)
+                except Exception:  # noqa: BLE001 - logged by Dagster's own capture, as its loop does
+                    from dagster._daemon.utils import DaemonErrorCapture
+
+                    yield DaemonErrorCapture.process_exception(exc_info=sys.exc_info(), logger=self._logger,
+                                                               log_message="BackfillDaemon caught an error")
+                yield SpanMarker.END_SPAN
+                shutdown_event.wait(1)
+                yield None
+
+    return EverySecond(settings=settings)
+
+
+def code_location_target():
+    """The code location by module name, as every process of the distribution loads it."""
+    import importlib.util
+
+    from dagster._core.workspace.load_target import ModuleTarget
+
+    origin = importlib.util.find_spec("definitions").origin  # found, not imported (that builds the graph)
+    return ModuleTarget(module_name="definitions", attribute=None, location_name="shardprep",
+                        working_directory=os.path.dirname(os.path.abspath(origin)))
+
+
+def serve(idle_seconds: float) -> int:
+    from dagster._daemon.controller import daemon_controller_from_instance
+    from dagster._daemon.daemon import MonitoringDaemon
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
+
+    fh = open(lock_path(), "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another process of this instance is the run-queue daemon
+    instance = get_instance()
+
+    def daemons(inst: dg.DagsterInstance):
+        out = [QueuedRunCoordinatorDaemon(interval_seconds=1), _backfill_daemon(inst.get_backfill_settings())]
+        if inst.run_monitoring_enabled:  # a run worker that died is marked failed, its pool slots freed
+            out.append(MonitoringDaemon(interval_seconds=inst.run_monitoring_poll_interval_seconds))
+        return out
+
+    with daemon_controller_from_instance(instance, code_location_target(), gen_daemons=daemons,
+                                         heartbeat_interval_seconds=HEARTBEAT_SECONDS,
+                                         log_level="warning") as controller:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(controller._daemon_uuid)  # noqa: SLF001 - the id its heartbeats carry
+        fh.flush()
+        idle_since = time.monotonic()
+        while True:
+            controller.check_daemon_threads()
+            if work_in_flight(instance):
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > idle_seconds:
+                return 0
+            time.sleep(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestration.queue_daemon", description=__doc__)
+    parser.add_argument("--idle-seconds", type=float, default=20.0,
+                        help="exit once no run has been queued or in progress this long")
+    args = parser.parse_args(argv)
+    return serve(args.idle_seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

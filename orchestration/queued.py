@@ -1,0 +1,164 @@
+"""`shardprep run`'s default execution: the plan's (asset, shard) pairs as an asset backfill run by
+Dagster's daemons through the instance's run queue (``orchestration.launch``), then the unpartitioned
+assets as a second one, followed here with one progress bar.
+
+Several `shardprep run` processes, the UI, backfills and automation may work on one instance at once:
+planning and launching happen under a lock of the instance, and pairs some other backfill or run
+already has in flight are not launched again: this run waits for them instead, then plans those
+shards once more (they may have failed there). SIGTERM and Ctrl-C cancel this run's backfills (their
+queued runs are dropped, running ones terminated) and wait for the cancellation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import dagster as dg
+
+from assets.shard_runs import REBUILD_TAG
+from orchestration.instance import instance_lock
+from orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
+from orchestration.plan import globals_needed
+from orchestration.runner import Plan, RunSummary, Stop, recover_dead_runs
+from resources.dataset import CONFIG_TAG
+
+POLL_SECONDS = 0.5
+DAEMON_CHECK_SECONDS = 5.0
+CANCEL_WAIT_SECONDS = 120.0
+MAX_DAEMON_STARTS = 3
+LAUNCHED_BY_TAG = "shardprep/launched_by"
+
+
+def _tags(plan: Plan) -> dict[str, str]:
+    # (the process executing a run tags it with its own pid: ``resources.dataset``)
+    tags = {CONFIG_TAG: plan.config_path, LAUNCHED_BY_TAG: f"shardprep run, pid {os.getpid()} on {socket.gethostname()}"}
+    if plan.rebuild:
+        tags[REBUILD_TAG] = "true"
+    return tags
+
+
+def _shard_pairs(plan: Plan, shards: list[str]) -> Pairs:
+    pairs: Pairs = {}
+    for shard in shards:
+        for key in plan.assets_to_do(shard):
+            pairs.setdefault(key, set()).add(shard)
+    return pairs
+
+
+def _overlaps(pairs: Pairs, busy: Pairs) -> set[str]:
+    """Shards of ``pairs`` that have some asset in ``busy``."""
+    return {s for key, shards in pairs.items() for s in shards & busy.get(key, set())}
+
+
+class _Follower:
+    """Waits for backfills, keeping the daemon alive, the bar current and the stop signal honoured."""
+
+    def __init__(self, instance: dg.DagsterInstance, stop: Stop, bar) -> None:
+        self.instance, self.stop, self.bar = instance, stop, bar
+        self._daemon_checked = 0.0
+        self._starts = 0
+        self._cancelled: set[str] = set()
+
+    def _check_daemon(self) -> None:
+        recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
+        started = ensure_daemon(self.instance) == "started"
+        self._starts = self._starts + 1 if started else 0
+        self._daemon_checked = time.monotonic()
+        if self._starts > MAX_DAEMON_STARTS:  # it keeps dying: say why instead of waiting forever
+            log = os.path.join(self.instance.root_directory, "shardprep_daemon.log")
+            with open(log, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"the Dagster daemon for this instance does not stay up; its log {log} ends:\n{tail}")
+
+    def wait(self, ours: list[str], others: list[str], shards_of: dict[str, set[str]] | None = None) -> None:
+        """Until every backfill in ``ours`` and ``others`` has finished. ``shards_of``: shard -> its pairs
+        in ``ours`` as ``asset/shard`` strings, for the progress bar."""
+        counted: set[str] = set()
+        while True:
+            if self.stop.received() is not None:
+                for backfill_id in ours:
+                    if backfill_id not in self._cancelled:
+                        cancel(self.instance, backfill_id)
+                        self._cancelled.add(backfill_id)
+                deadline = getattr(self, "_deadline", None) or time.monotonic() + CANCEL_WAIT_SECONDS
+                self._deadline = deadline
+                if time.monotonic() > deadline:
+                    return
+            if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
+                self._check_daemon()
+            states = {b: progress(self.instance, b) for b in ours + others}
+            if shards_of:
+                settled = set()
+                for state in (states[b] for b in ours):
+                    settled |= {f"{k.to_user_string()}/{s}" for k, shards in state.done.items() for s in shards}
+                    settled |= {f"{k.to_user_string()}/{s}" for k, shards in state.failed.items() for s in shards}
+                newly = [s for s, pairs in shards_of.items() if s not in counted and pairs <= settled]
+                counted.update(newly)
+                self.bar.update(len(newly))
+            if all(state.finished for state in states.values()):
+                return
+            time.sleep(POLL_SECONDS)
+
+
+def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], summary: RunSummary,
+                   follower: _Follower) -> list[str]:
+    """Launch the pairs of ``shards`` no one else has in flight; wait for ours and theirs. Returns the
+    shards that were someone else's (to plan again once that work is over)."""
+    with instance_lock(instance, "submit"):
+        busy, busy_ids = in_flight(instance)
+        pairs = _shard_pairs(plan, shards)
+        theirs = _overlaps(pairs, busy)
+        mine = _shard_pairs(plan, [s for s in shards if s not in theirs])
+        ours = [launch(instance, mine, tags=_tags(plan), title="shardprep run: shards")] if mine else []
+    summary.backfills += ours
+    shards_of = {}
+    for key, keys in mine.items():
+        for s in keys:
+            shards_of.setdefault(s, set()).add(f"{key.to_user_string()}/{s}")
+    follower.wait(ours, busy_ids if theirs else [], shards_of)
+    return sorted(theirs)
+
+
+def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, follower: _Follower) -> None:
+    with instance_lock(instance, "submit"):
+        busy, busy_ids = in_flight(instance)
+        if any(k in busy for k in plan.global_keys):  # another run updates them now: its result is ours
+            ours = []
+        elif plan.rebuild or globals_needed(instance, plan.shard_keys, plan.global_keys, plan.versions):
+            follower.bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")
+            ours = [launch(instance, {k: {""} for k in plan.global_keys}, tags=_tags(plan),
+                           title="shardprep run: unpartitioned assets")]
+        else:
+            return
+    summary.backfills += ours
+    follower.wait(ours, [] if ours else busy_ids)
+
+
+def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progress_bar: bool) -> None:
+    from tqdm import tqdm
+
+    if getattr(instance, "root_directory", None) is None:
+        raise ValueError("queued execution needs a persistent Dagster instance ($DAGSTER_HOME); "
+                         "use --in-process with an ephemeral one")
+    todo = plan.todo_shards()
+    bar = tqdm(total=len(todo), desc="shards", unit="shard", disable=not progress_bar, file=sys.stderr)
+    with Stop(raise_between=False) as stop:
+        follower = _Follower(instance, stop, bar)
+        ensure_daemon(instance)
+        if todo:
+            waited = _launch_shards(plan, instance, todo, summary, follower)
+            if waited and stop.received() is None:  # others had them in flight: what is left of them is ours
+                plan.replan(instance)
+                _launch_shards(plan, instance, [s for s in waited if plan.todo[s]], summary, follower)
+        if stop.received() is None:
+            _launch_globals(plan, instance, summary, follower)
+    bar.close()
+    recover_dead_runs(instance)  # slots a killed worker's run left claimed go back now, not a daemon tick later
+    summary.stopped_by = stop.signum
+    for backfill_id in summary.backfills:
+        summary.runs += instance.get_runs_count(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+        for shard, error in failures(instance, backfill_id).items():
+            summary.failed.setdefault(shard, error)

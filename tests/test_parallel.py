@@ -1,0 +1,156 @@
+"""One machine at full width: `shardprep run` through Dagster's run queue keeps several shards in flight
+(downloads of one shard overlap embedding of another, within the pools' limits), GPU steps get one
+device each, and several `shardprep run` processes on one instance never do a pair twice."""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.events import DagsterEventType
+
+from orchestration.runner import run_pipeline
+from shardprep.layout import Layout
+from tests.fixtures import synthetic
+from tests.fixtures.configs import CHECKOUT, write_config
+from tests.fixtures.http_server import serve_directory
+from tests.fixtures.live_dagster import prepare_home
+
+
+@dataclass(frozen=True)
+class Step:
+    asset: str
+    run_id: str
+    start: float
+    end: float
+
+    def overlaps(self, other: "Step") -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+def steps(instance: dg.DagsterInstance) -> list[Step]:
+    """Every successful step of every run, with its start and end time."""
+    out = []
+    for run in instance.get_runs():
+        starts = {}
+        for record in instance.all_logs(run.run_id, of_type={DagsterEventType.STEP_START,
+                                                             DagsterEventType.STEP_SUCCESS}):
+            event = record.dagster_event
+            if event.event_type == DagsterEventType.STEP_START:
+                starts[event.step_key] = record.timestamp
+            elif event.step_key in starts:
+                out.append(Step(event.step_key, run.run_id, starts[event.step_key], record.timestamp))
+    return out
+
+
+def most_at_once(intervals: list[Step]) -> int:
+    edges = sorted([(s.start, 1) for s in intervals] + [(s.end, -1) for s in intervals])
+    best = current = 0
+    for _, delta in edges:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+@pytest.fixture
+def slow_source(tmp_path, tiny_clip_dir):
+    """6 shards of 8 rows whose images answer after 0.4 s each: a shard's download takes ~2 s."""
+    site = tmp_path / "site"
+    synthetic.make_demo_site(str(site), n_images=48, seed=5)
+    base_url, stop = serve_directory(str(site), slow_seconds=0.4)
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), base_url + "/slow", n_files=1, rows_per_file=48, n_images=48,
+                                   broken_share=0.0)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=8, image_size=32, thread_count=2, timeout=5,
+                          allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    yield config, Layout(str(tmp_path / "out"))
+    stop()
+
+
+@pytest.fixture
+def two_shards_per_run(monkeypatch):
+    # backfill runs of two shards each (every per-shard asset in one run): 3 runs in flight at once
+    monkeypatch.setenv("SHARDPREP_DOWNLOAD_SHARDS_PER_RUN", "2")
+    monkeypatch.setenv("SHARDPREP_GPU_SHARDS_PER_RUN", "2")
+
+
+def test_downloads_overlap_embedding_and_gpu_steps_each_lease_their_own_device(slow_source, tmp_path,
+                                                                             two_shards_per_run, monkeypatch):
+    monkeypatch.setenv("SHARDPREP_SIMULATED_DEVICES", "3")  # three CPU-backed "GPUs"
+    monkeypatch.setenv("SHARDPREP_DEVICE_LOCK_DIR", str(tmp_path / "device-locks"))
+    config, layout = slow_source
+    home = prepare_home(tmp_path / "home", pool_limits={"download": 2, "gpu": 3})
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        summary = run_pipeline(config, instance=instance, progress=False)
+        assert summary.ok, summary.failed
+        assert summary.materialized["reordered_embeddings"] == 6
+        device = {r.run_id: r.tags.get("shardprep/device/clip_embeddings") for r in instance.get_runs()}
+        done = steps(instance)
+    downloads = [s for s in done if s.asset == "image_shards"]
+    embeds = [s for s in done if s.asset == "clip_embeddings"]
+    assert len(downloads) == len(embeds) == 3  # two shards per run, every per-shard asset in one run
+    assert any(d.overlaps(e) for d in downloads for e in embeds), "no download overlapped an embedding"
+    assert most_at_once(downloads) == 2  # the download pool's limit, reached and never exceeded
+
+    # GPU steps: each on a leased device, named in its run's tags; never two at once on one device
+    assert {device[s.run_id] for s in embeds} <= {"sim0", "sim1", "sim2"}
+    together = [(a, b) for a in embeds for b in embeds if a.run_id < b.run_id and a.overlaps(b)]
+    assert together, "no two GPU steps ran at once: nothing was tested"
+    assert all(device[a.run_id] != device[b.run_id] for a, b in together)
+
+
+def _cli_run(config: str, home: Path) -> subprocess.Popen:
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", "run", "--config", config,
+                             "--no-progress"], env=env, cwd=CHECKOUT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _materializations(home: Path) -> dict[tuple[str, str | None], int]:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        counts: dict[tuple[str, str | None], int] = {}
+        for key in instance.get_asset_keys():
+            for r in instance.fetch_materializations(key, limit=10_000).records:
+                counts[(key.to_user_string(), r.partition_key)] = counts.get((key.to_user_string(), r.partition_key),
+                                                                             0) + 1
+        return counts
+
+
+def test_several_cli_runs_at_once_do_each_pair_once(image_site, tiny_clip_dir, tmp_path):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[30], n_images=120, seed=13)
+    root = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(root),
+                          samples_per_shard=10, image_size=32, thread_count=4, timeout=5,
+                          allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((CHECKOUT / "dagster.yaml").read_text())  # a fresh, uncreated instance
+
+    def together(n: int) -> None:
+        procs = [_cli_run(config, home) for _ in range(n)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * n, "\n-----\n".join(outs)
+
+    together(2)
+    counts = _materializations(home)
+    shards = ["00000", "00001", "00002"]
+    per_shard = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings"]
+    assert {k: v for k, v in counts.items() if v != 1} == {}  # each (asset, shard) exactly once
+    assert {(a, s) for a in per_shard for s in shards} <= set(counts)
+    assert counts[("image_energon_index", None)] == counts[("dataset_report", None)] == 1
+
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[20], n_images=120, seed=14,
+                                   prefix="zz-new")
+    together(4)
+    counts = _materializations(home)
+    assert {k: v for k, v in counts.items() if k[1] is not None and v != 1} == {}
+    assert {(a, s) for a in per_shard for s in shards + ["00003", "00004"]} <= set(counts)
+    assert counts[("image_energon_index", None)] == counts[("dataset_report", None)] == 2  # one more update
+    assert [p for p in root.rglob("*") if ".tmp-" in p.name] == []
