@@ -4,9 +4,14 @@ assets: materialized or not, and when), read from the Dagster instance at $DAGST
 from __future__ import annotations
 
 import datetime
+from collections import Counter
 from dataclasses import dataclass
 
 import dagster as dg
+from dagster._core.definitions.partitions.context import partition_loading_context
+from dagster._core.instance.types import CachingDynamicPartitionsLoader
+from dagster._core.storage.partition_status_cache import (AssetStatusCacheValue,
+                                                          get_and_update_asset_status_cache_value)
 
 from orchestration.plan import current_partitions, latest_version
 
@@ -42,10 +47,28 @@ def _entry(instance: dg.DagsterInstance, key: dg.AssetKey):
     return records[0].asset_entry if records else None
 
 
+def _status_by_partition(instance: dg.DagsterInstance, key: dg.AssetKey, keys: list[str],
+                         pdef: dg.PartitionsDefinition, loader: CachingDynamicPartitionsLoader) -> dict:
+    """``instance.get_status_by_partition(key, keys, pdef)``, computed the same way but with the shard keys
+    read once for every asset: Dagster's own call reads all of them twice per asset (their hash is the
+    partitions definition's id), which at 100,000 shards cost more than the statuses themselves."""
+    value = get_and_update_asset_status_cache_value(instance, key, pdef, dynamic_partitions_loader=loader)
+    if not isinstance(value, AssetStatusCacheValue):
+        return {}
+    with partition_loading_context(dynamic_partitions_store=loader):
+        in_progress = value.deserialize_in_progress_partition_subsets(pdef)
+        failed = value.deserialize_failed_partition_subsets(pdef)
+        materialized = value.deserialize_materialized_partition_subsets(pdef)
+    st = dg.AssetPartitionStatus  # the order of Dagster's own call: in progress, failed, materialized
+    return {k: st.IN_PROGRESS if k in in_progress else st.FAILED if k in failed else
+            st.MATERIALIZED if k in materialized else None for k in keys}
+
+
 def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[AssetStatus]:
     """One status per materializable asset of ``defs``, in dependency order; with versioned assets
     (a code location built for a config), a materialization at another version counts as outdated."""
     graph = defs.resolve_asset_graph()
+    loader = CachingDynamicPartitionsLoader(instance)  # the shard keys, read once for all assets
     out = []
     for key in graph.toposorted_asset_keys:
         node = graph.get(key)
@@ -65,11 +88,11 @@ def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[A
             out.append(AssetStatus(key.to_user_string(), False, last_materialized=last_mat,
                                    last_failed=failed_after, outdated=outdated))
             continue
-        keys = list(pdef.get_partition_keys(dynamic_partitions_store=instance))
-        by_status = instance.get_status_by_partition(key, keys, pdef) or {}
+        keys = list(pdef.get_partition_keys(dynamic_partitions_store=loader))
+        by_status = _status_by_partition(instance, key, keys, pdef, loader)
         current = current_partitions(instance, key, node.code_version)
         outdated = sum(1 for k, v in by_status.items() if v == dg.AssetPartitionStatus.MATERIALIZED and k not in current)
-        counts = {s: sum(1 for v in by_status.values() if v == s) for s in dg.AssetPartitionStatus}
+        counts = Counter(by_status.values())
         out.append(AssetStatus(key.to_user_string(), True, total=len(keys), outdated=outdated,
                                materialized=counts[dg.AssetPartitionStatus.MATERIALIZED] - outdated,
                                failed=counts[dg.AssetPartitionStatus.FAILED],
