@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m demo.run_demo
 
+# Two test processes, a file each at a time: most long tests wait on subprocesses, servers and daemons.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(PY) bench/run.py

@@ -1,0 +1,36 @@
+"""SIGTERM (or Ctrl-C) to `shardprep run`: it cancels its backfills, waits for the cancellation and exits
+128+15; nothing is left in flight, half-written or holding a slot, and a re-run completes."""
+
+import signal
+from pathlib import Path
+
+from tests.fixtures.slow_runs import complete, no_slot_held, shardprep_run, slow_dataset, wait_for  # noqa: F401
+
+
+def test_sigterm_stops_the_run_promptly_and_cancels_it(slow_dataset):
+    import dagster as dg
+
+    config, layout, home = slow_dataset
+    proc = shardprep_run(config, home)
+    wait_for(proc, layout.source_parquet("00001"), "shard 00001's run starting")
+    time.sleep(1.0)  # its images are downloading
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)  # it waits for the cancellation (at most 120 s), not for the rest
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out
+
+    # its backfill cancelled: no run left in flight or queued, no global output, nothing half-written
+    assert not Path(layout.report_html).exists()
+    assert not Path(layout.tar("00001")).exists() or Path(layout.shard_stats("00001")).exists()
+    assert [p for p in Path(layout.root).rglob("*") if ".tmp-" in p.name] == []
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        runs = instance.get_runs()
+        assert {r.status for r in runs} <= {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.CANCELED}
+        assert dg.DagsterRunStatus.CANCELED in {r.status for r in runs}
+        assert {b.status.value for b in instance.get_backfills()} == {"CANCELED"}
+    no_slot_held(home)
+
+    rerun = shardprep_run(config, home)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    complete(layout)
