@@ -223,6 +223,69 @@ def index_energon(s: dict) -> dict:
     return {"samples": sum(counts.values()), "work_seconds": work}
 
 
+# --------------------------------------------------------------------------------------------
+# end to end: URL parquet -> tars -> CLIP embeddings -> reordered embeddings -> energon index
+
+
+def chain_ours(s: dict) -> dict:
+    """`shardprep run` with its defaults on a fresh instance (it starts its own queue daemon)."""
+    import chain
+    from measure import run_monitored
+
+    _fresh(s["dir"])
+    out = os.path.join(s["dir"], "out")
+    config = chain.write_config(s, os.path.join(s["dir"], "shardprep.yaml"), out)
+    home = chain.fresh_home(os.path.join(s["dir"], "dagster_home"))
+    # SHARDPREP_CONFIG: the code location the daemon loads serves this config, not whatever
+    # demo/work holds; s["env"]: settings under test (shards per run, slots)
+    env = {**os.environ, "DAGSTER_HOME": home, "SHARDPREP_CONFIG": config, **s.get("env", {})}
+    cmd = [sys.executable, "-m", "orchestration.cli", "run", "--config", config, "--no-progress",
+           *s.get("cli_args", [])]  # e.g. --in-process, to see what the run queue costs
+    stage, tree = run_monitored(cmd, os.path.join(s["dir"], "shardprep-run.log"), env=env, cwd=chain.ROOT)
+    left_running = chain.wait_for_daemon(tree)
+    cpu_of_pid = {pid: v["cpu"] for (pid, _), v in tree.seen.items()}
+    timeline = chain.dagster_timeline(home, stage["started"], stage["ended"], cpu_of_pid)
+    counts = chain.successes(os.path.join(out, "images"))
+    return {"samples": counts["success"], **counts, "wall_seconds": stage["seconds"],
+            "cpu_seconds": stage["cpu_seconds"], "peak_rss": stage["peak_rss"], "processes": stage["processes"],
+            "cpu_waited": stage["cpu_waited"], "cpu_by_command": stage["cpu_by_command"],
+            "energon_samples": chain.energon_samples(os.path.join(out, "images")),
+            "reordered_rows": chain.nonzero_rows(os.path.join(out, "embeddings_reordered", "img")),
+            "terminated_after_exit": left_running, "timeline": timeline, "work_seconds": stage["seconds"]}
+
+
+def chain_glue(s: dict) -> dict:
+    """img2dataset -> clip-retrieval inference -> reorder script -> energon prepare, one after another."""
+    import glob
+
+    import chain
+    from measure import run_monitored
+
+    _fresh(s["dir"])
+    out = {k: os.path.join(s["dir"], k) for k in ("images", "embeddings", "reordered")}
+    stages: dict[str, dict] = {}
+
+    def stage(name: str, cmd: list[str]) -> None:
+        log = os.path.join(s["dir"], f"{name.split()[0]}.log")
+        stages[name] = run_monitored(cmd, log, cwd=s["dir"])[0]
+
+    t0 = time.perf_counter()
+    stage("img2dataset", chain.glue_commands(s, out)["img2dataset"])
+    tars = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(out["images"], "*.tar")))
+    cmds = chain.glue_commands(s, out, tars)
+    for name in ("clip-retrieval inference", "reorder script", "energon prepare"):
+        stage(name, cmds[name])
+    wall = time.perf_counter() - t0  # the four commands and the moments between them
+    counts = chain.successes(out["images"])
+    return {"samples": counts["success"], **counts, "wall_seconds": wall,
+            "cpu_seconds": sum(v["cpu_seconds"] for v in stages.values()),
+            "peak_rss": max(v["peak_rss"] for v in stages.values()),
+            "stages": {k: {f: v[f] for f in ("seconds", "cpu_seconds", "peak_rss")} for k, v in stages.items()},
+            "energon_samples": chain.energon_samples(out["images"]),
+            "reordered_rows": chain.nonzero_rows(out["reordered"]),
+            "work_seconds": wall}
+
+
 def clip_fidelity(s: dict) -> dict:
     from quality import clip_fast_vs_exact
 
@@ -241,6 +304,7 @@ SIDES = {
     "clip-fidelity": clip_fidelity, "clip-gpu": clip_gpu,
     "loader-ours": loader_ours, "loader-dalle2": loader_dalle2,
     "index-ours": index_ours, "index-energon": index_energon,
+    "chain-ours": chain_ours, "chain-glue": chain_glue,
 }
 
 

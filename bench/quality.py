@@ -142,3 +142,48 @@ def _reference_crop(im, spec) -> np.ndarray:
     else:
         top, left = (h - ch) // 2, (w - cw) // 2
     return arr[top:top + ch, left:left + cw]
+
+
+def compare_chain_outputs(ours_root: str, glue_dir: str, index_width: int, rows: int) -> dict:
+    """The end-to-end pair's reordered image embeddings, shard by shard.
+
+    * faithful: shardprep's ``reorder_array`` applied to the glue's own clip-retrieval output gives the
+      glue script's arrays exactly (the script reproduces the algorithm; it only stops after a shard's
+      last key, where ours pads to the shard's ``rows`` with zeros);
+    * the two sides: the same zero rows (failed samples) and, per sample, the cosine of our embedding and
+      the glue's (the tars' pixels differ a little: our ``fast_decode`` resize)."""
+    import pandas as pd
+
+    from shardprep.reorder import reorder_array
+
+    meta = pd.concat([pd.read_parquet(p, columns=["image_path"]) for p in
+                      sorted(glob.glob(os.path.join(glue_dir, "embeddings", "metadata", "*.parquet")))])
+    emb = np.concatenate([np.load(p) for p in
+                          sorted(glob.glob(os.path.join(glue_dir, "embeddings", "img_emb", "*.npy")))])
+    keys = meta["image_path"].astype(str).to_numpy()
+    shard_of = np.array([k[:-index_width] for k in keys])
+    mismatches, cos_min, compared, shards = [], 1.0, 0, 0
+    for path in sorted(glob.glob(os.path.join(glue_dir, "reordered", "img_emb_*.npy"))):
+        shard = os.path.basename(path)[len("img_emb_"):-len(".npy")]
+        glue = np.load(path).astype(np.float64)
+        n = len(glue)
+        pick = shard_of == shard
+        faithful = reorder_array(emb[pick], list(keys[pick]), rows, index_width, shard).astype(np.float64)
+        if not (np.array_equal(faithful[:n], glue) and not faithful[n:].any()):
+            mismatches.append(f"{shard}: reorder script != reorder_array on the same embeddings")
+        ours_path = os.path.join(ours_root, "embeddings_reordered", "img", f"img_emb_{shard}.npy")
+        if not os.path.exists(ours_path):
+            mismatches.append(f"{shard}: no reordered embeddings from shardprep")
+            continue
+        ours = np.load(ours_path).astype(np.float64)
+        live = np.any(glue != 0, axis=1)
+        if len(ours) != rows or ours[n:].any() or not np.array_equal(np.any(ours[:n] != 0, axis=1), live):
+            mismatches.append(f"{shard}: zero rows differ")
+            continue
+        a, b = ours[:n][live], glue[live]
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        cos_min = min(cos_min, float(cos.min()))
+        compared += len(cos)
+        shards += 1
+    return {"shards": shards, "samples": compared, "cos_min": cos_min, "mismatches": mismatches[:10],
+            "mismatch_count": len(mismatches)}

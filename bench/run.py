@@ -1,6 +1,6 @@
 """shardprep's throughput benchmarks against the peer tools, side by side (``make bench``).
 
-    python bench/run.py [--quick] [--only images,clip,loader,index,gpu] [--reps N] [--out bench/RESULTS.md]
+    python bench/run.py [--quick] [--only images,clip,loader,index,chain,gpu] [--reps N] [--out bench/RESULTS.md]
 
 Pairs (same data, same settings, each side a fresh process, runs alternated A/B then B/A,
 medians over the repetitions, peak memory of the whole process tree):
@@ -14,6 +14,11 @@ medians over the repetitions, peak memory of the whole process tree):
   file path), one epoch over the same tars and reordered embeddings.
 * ``index``: ``update_energon_index`` vs ``energon prepare`` on 100 tars, plus an incremental
   update (1 new tar over the 100 indexed).
+* ``chain``: end to end, one URL parquet (>= 20 shards) to image tars, CLIP embeddings, reordered
+  embeddings and an energon index: ``shardprep run`` with its defaults (Dagster's run queue, its own
+  daemon, a fresh instance) vs the glue users write today, run one after the other: ``img2dataset``,
+  ``clip-retrieval inference``, a reordering script (``bench/reorder_glue.py``, embedding-dataset-
+  reordering's algorithm) and ``energon prepare`` (``bench/chain.py``).
 * ``gpu`` (only where CUDA is available): CLIP ViT-B/32- and ViT-L/14-sized random models,
   images/s end to end from tars and MFU (``bench/gpu.py``).
 
@@ -45,17 +50,19 @@ from measure import RunFailed, median, run_side  # noqa: E402
 from source import Server, make_index_tars, make_site, make_url_parquet  # noqa: E402
 
 WORK = os.path.join(HERE, "work")
-PAIRS = ("images", "clip", "loader", "index", "gpu")
+PAIRS = ("images", "clip", "loader", "index", "chain", "gpu")
 
 MODES = {
     "full": dict(site_images=240, image_rows=600, image_shard=100, image_reps=3,
                  clip_copies=4, clip_reps=2, loader_copies=4, loader_reps=2,
-                 index_tars=100, index_samples=300, index_reps=2, gpu_samples=20_000),
+                 index_tars=100, index_samples=300, index_reps=2, chain_rows=5_000, chain_shard=250, chain_reps=1,
+                 gpu_samples=20_000),
     "quick": dict(site_images=120, image_rows=240, image_shard=60, image_reps=1,
                   clip_copies=1, clip_reps=1, loader_copies=1, loader_reps=1,
-                  index_tars=100, index_samples=60, index_reps=1, gpu_samples=4_000),
+                  index_tars=100, index_samples=60, index_reps=1, chain_rows=1_000, chain_shard=100, chain_reps=1,
+                  gpu_samples=4_000),
 }
-FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0}
+FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5}
 PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
 PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
             "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
@@ -99,7 +106,8 @@ class Mismatch(RuntimeError):
     """The two sides did not produce the same thing."""
 
 
-def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str) -> dict:
+def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str, timeout: float = 600,
+             sample_every: float = 0.02) -> dict:
     """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each."""
     runs: dict[str, list] = {"ours": [], "theirs": []}
     for rep in range(reps):
@@ -107,7 +115,8 @@ def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: s
         if rep % 2:
             order.reverse()
         for label, (side, settings) in order:
-            r = run_side([side, "--json", json.dumps(settings)], log_path=log)
+            r = run_side([side, "--json", json.dumps(settings)], log_path=log, timeout=timeout,
+                         sample_every=sample_every)
             runs[label].append(r)
             print(f"  {side:22s} wall {r.seconds:7.2f}s  work {r.result.get('work_seconds', float('nan')):7.2f}s"
                   f"  cpu {r.cpu_seconds:7.2f}s  peak {r.peak_rss / 2**20:7.0f} MiB  {_short(r.result)}", flush=True)
@@ -238,6 +247,44 @@ def pair_index(m: dict, log: str) -> dict:
             "settings": {"tars": n, "samples_per_tar": k, "members_per_sample": 3, "energon_workers": PROCESSES}}
 
 
+def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
+    from models import SMALL_224, build_random_clip
+    from quality import compare_chain_outputs
+
+    from shardprep.keys import oom_sample_per_shard
+
+    model_dir = build_random_clip(os.path.join(WORK, "clip-small-224"), SMALL_224)  # the clip pair's model
+    parquet = os.path.join(WORK, "chain-source", "urls.parquet")  # alone in its folder: ours reads the glob
+    rows = make_url_parquet(parquet, server.url, site, m["chain_rows"])
+    spp = m["chain_shard"]
+    common = dict(parquet=parquet, model=f"hf_clip:{model_dir}", samples_per_shard=spp, image_size=256,
+                  resize_mode="border", threads=32, timeout=10, processes=PROCESSES, batch_size=256,
+                  split_ratio=[0.9, 0.1, 0.0], index_width=oom_sample_per_shard(spp))
+    ours_dir, glue_dir = os.path.join(WORK, "chain-ours"), os.path.join(WORK, "chain-glue")
+    runs = run_pair(("chain-ours", {**common, "dir": ours_dir}), ("chain-glue", {**common, "dir": glue_dir}),
+                    m["chain_reps"], log, timeout=1800, sample_every=0.5)  # the drivers sample their commands
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    for k in ("samples", "failed_to_download", "failed_to_resize", "energon_samples", "reordered_rows"):
+        if o[k] != t[k]:
+            raise Mismatch(f"chain: {k} differs: shardprep {o[k]}, glue {t[k]}")
+    if o["energon_samples"] != o["samples"] or o["reordered_rows"] != o["samples"]:
+        raise Mismatch(f"chain: not every successful sample was embedded and indexed: {_short(o)}")
+    agreement = compare_chain_outputs(os.path.join(ours_dir, "out"), glue_dir, common["index_width"], spp)
+    if agreement["mismatch_count"] or agreement["cos_min"] < 0.99:
+        raise Mismatch(f"chain: reordered embeddings disagree: {agreement}")
+    return {"runs": runs, "rows": rows, "agreement": agreement, "settings": common,
+            "ours": summarise_chain(runs["ours"]), "theirs": summarise_chain(runs["theirs"])}
+
+
+def summarise_chain(runs: list) -> dict:
+    """The drivers' own figures for the commands they ran (``measure.run_monitored``): the CPU of the
+    detached daemon `shardprep run` starts is not in RUSAGE_CHILDREN, so not in ``Run.cpu_seconds``."""
+    res = [r.result for r in runs]
+    return {"wall": median([r["wall_seconds"] for r in res]), "cpu": median([r["cpu_seconds"] for r in res]),
+            "peak_mib": median([r["peak_rss"] for r in res]) / 2**20, "count": res[-1]["samples"],
+            "walls": [r["wall_seconds"] for r in res], "last": res[-1]}
+
+
 def pair_gpu(m: dict, log: str) -> dict:
     settings = {"work": os.path.join(WORK, "gpu"), "samples": m["gpu_samples"], "per_tar": 2_000}
     return run_side(["clip-gpu", "--json", json.dumps(settings)], log_path=log, timeout=1800).result
@@ -299,6 +346,20 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  "", "< 5%", "PASS" if inc < 0.05 else "FAIL"],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+    if name == "chain":
+        ours_rate, their_rate = _rate(o["count"], o["wall"]), _rate(t["count"], t["wall"])
+        ratio = ours_rate / their_rate
+        overhead = o["last"]["timeline"]["overhead_share"]
+        return [["end to end: tars, CLIP, reordered, energon index (vs img2dataset + clip-retrieval + reorder "
+                 "script + energon prepare)", "successful samples/s, whole run", _fmt(ours_rate), _fmt(their_rate),
+                 f"{ratio:.2f}x", f">= {FLOORS['chain']}x", "PASS" if ratio >= FLOORS["chain"] else "FAIL"],
+                ["", "wall seconds", _fmt(o["wall"]), _fmt(t["wall"]), f"{t['wall'] / o['wall']:.2f}x", "", ""],
+                ["", "CPU seconds, process tree", _fmt(o["cpu"]), _fmt(t["cpu"]), f"{t['cpu'] / o['cpu']:.2f}x",
+                 "", ""],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""],
+                ["", "orchestration overhead: 1 - (steps busy, union over runs) / wall", f"{overhead * 100:.0f}%",
+                 "", "", "", ""]]
     return []
 
 
@@ -316,7 +377,7 @@ def write_results(path: str, mode: str, machine: dict, results: dict, errors: di
          "wall times carry noise; CPU seconds (user + system of the whole process tree) are given beside them",
          "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()), ""]
     L += ["## Results", "", "| pair | metric | shardprep | peer | ratio | floor | |", "|---|---|---|---|---|---|---|"]
-    for name in ("images", "clip", "loader", "index"):
+    for name in ("images", "clip", "loader", "index", "chain"):
         if name in results:
             L += ["| " + " | ".join(row) + " |" for row in rows_for(name, results[name])]
         elif name in errors:
@@ -412,6 +473,8 @@ def _details(results: dict, errors: dict) -> list[str]:
               "split_ratio=(1,0,0))`, each in a fresh directory of hard links to the same tars",
               f"- whole process: shardprep {o['wall']:.2f} s, energon {t['wall']:.2f} s; shardprep's index call alone "
               f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s", ""]
+    if "chain" in results:
+        L += _chain_details(results["chain"])
     L += ["### GPU", ""]
     if "gpu" in results:
         g = results["gpu"]
@@ -436,6 +499,93 @@ def _details(results: dict, errors: dict) -> list[str]:
               "and its arithmetic is tested on the CPU (tests/test_fast_paths.py), but it has not run on a GPU.", ""]
     if errors:
         L += ["## Errors", ""] + [f"- {k}: `{v.splitlines()[-1]}`" for k, v in errors.items()] + [""]
+    return L
+
+
+def _process_kind(cmd: str) -> str:
+    kinds = {"spawn_main": "run workers", "orchestration.queue_daemon": "queue daemon", "orchestration.cli": "CLI",
+             "dagster api": "code server", "watch_": "compute-log watchers"}
+    return next((v for k, v in kinds.items() if k in cmd), f"`{cmd}`")
+
+
+def _inside_steps(tl: dict) -> str:
+    """Per asset: its steps' seconds against what its shard writers report (the rest: the step's imports,
+    model load, contact sheets, checks, stamps)."""
+    parts = []
+    for key, writers in sorted(tl.get("writer_seconds_by_asset", {}).items(), key=lambda kv: -kv[1]):
+        runs = sum(any(s[0] == key for s in d["steps"]) for d in tl["runs_detail"])
+        total = tl["step_seconds_by_asset"].get(key, 0.0)
+        parts.append(f"{key} {total:.1f} s in {runs} step(s), of which its writers {writers:.1f} s "
+                     f"({(total - writers) / max(runs, 1):.1f} s per step besides)")
+    return "- inside the steps: " + ("; ".join(parts) if parts else "(no writer timings recorded)")
+
+
+def _cpu_per_run(tl: dict) -> str:
+    """Sampled CPU seconds of the run workers, by the steps their runs did."""
+    kinds: dict[str, list] = {}
+    for d in tl["runs_detail"]:
+        if d.get("cpu") is not None:
+            k = kinds.setdefault(" + ".join(s[0] for s in d["steps"]), [0, 0.0])
+            k[0], k[1] = k[0] + 1, k[1] + d["cpu"]
+    return "- CPU seconds of the run workers, by what their runs did: " + ("; ".join(
+        f"{steps} x{n} {cpu:.1f} ({cpu / n:.1f} per run)" for steps, (n, cpu) in kinds.items()) or "(not recorded)")
+
+
+def _chain_details(r: dict) -> list[str]:
+    s, o, t, a, tl = r["settings"], r["ours"], r["theirs"], r["agreement"], r["ours"]["last"]["timeline"]
+    shards = -(-r["rows"]["rows"] // s["samples_per_shard"])
+    stages = [x.result["stages"] for x in r["runs"]["theirs"]]
+    L = ["### end to end (`shardprep run` vs the glue)", "",
+         f"- source: {r['rows']['rows']} URL rows ({r['rows']['broken']} broken) over the benchmark site's images, "
+         f"one parquet, {s['samples_per_shard']} samples per shard = {shards} shards; "
+         f"{o['count']} successful samples on both sides",
+         f"- settings, both sides: image_size {s['image_size']}, resize_mode {s['resize_mode']}, {s['threads']} "
+         f"download threads, {s['processes']} download processes (ours: the `download` pool's default slots), "
+         f"timeout {s['timeout']} s; CLIP `{os.path.basename(s['model'])}` (SMALL_224, random weights, CPU), "
+         f"batch {s['batch_size']}, text embeddings on; energon split {s['split_ratio']}, `CaptioningSample` "
+         "image=jpg caption=txt",
+         "- shardprep: `python -m orchestration.cli run --config <yaml> --no-progress` with its defaults on a fresh "
+         "`DAGSTER_HOME` (the checkout's dagster.yaml; `SHARDPREP_CONFIG` = the same yaml), NeMo outputs off; it "
+         "starts its private queue daemon, whose code server launches one process per run. It also writes what "
+         "the glue does not: per-shard contact sheets, stamps, checks, text reordering, the dataset report",
+         "- glue: `img2dataset` (CLI, webdataset), `clip-retrieval inference` (CLI, `--enable_metadata True "
+         f"--num_prepro_workers {s['processes']}`), `bench/reorder_glue.py` (embedding-dataset-reordering's "
+         "per-shard algorithm; image embeddings only), `energon prepare --non-interactive`, one after another",
+         f"- wall seconds per run: shardprep {', '.join(f'{x:.1f}' for x in o['walls'])}; glue "
+         f"{', '.join(f'{x:.1f}' for x in t['walls'])}. CPU seconds are sampled over each command's whole process "
+         "tree every 50 ms (`measure.TreeSampler`: ours' daemon is detached, so not in RUSAGE_CHILDREN; a lower "
+         "bound, as is RUSAGE_CHILDREN, and the larger of the two is given)",
+         "", "| glue stage | wall s | CPU s | peak MiB |", "|---|---|---|---|"]
+    for name in stages[-1]:
+        L.append(f"| {name} | {median([x[name]['seconds'] for x in stages]):.1f} | "
+                 f"{median([x[name]['cpu_seconds'] for x in stages]):.1f} | "
+                 f"{median([x[name]['peak_rss'] for x in stages]) / 2**20:,.0f} |")
+    by_asset = ", ".join(f"{k} {v:.1f}" for k, v in sorted(tl["step_seconds_by_asset"].items(), key=lambda kv: -kv[1]))
+    per_run = tl["startup_per_run"]
+    L += ["", f"Where `shardprep run`'s {tl['wall']:.1f} s went (last run, from its Dagster instance; sums over "
+          "runs overlap in time, since runs execute in parallel):", "",
+          f"- {tl['runs']} runs, {tl['steps']} steps; steps busy (union over runs) {tl['step_busy_union']:.1f} s = "
+          f"{(1 - tl['overhead_share']) * 100:.0f}% of the wall: **orchestration overhead "
+          f"{tl['overhead_share'] * 100:.0f}%**; step seconds summed {tl['step_seconds_sum']:.1f} ({by_asset})",
+          _inside_steps(tl),
+          _cpu_per_run(tl),
+          f"- per-run process start-up (RUN_STARTING -> RUN_START), summed {tl['startup_sum']:.1f} s "
+          f"(launch -> 'Started process' {tl['launch_to_process_sum']:.1f} s, then -> RUN_START "
+          f"{tl['process_to_run_start_sum']:.1f} s); per run {min(per_run, default=0):.1f}-"
+          f"{max(per_run, default=0):.1f} s",
+          f"- queue wait (RUN_ENQUEUED -> RUN_STARTING) summed {tl['queue_wait_sum']:.1f} s; RUN_START -> first step "
+          f"{tl['run_start_to_first_step_sum']:.1f} s; last step -> RUN_SUCCESS "
+          f"{tl['last_step_to_run_success_sum']:.1f} s",
+          f"- CLI start -> first run enqueued {_fmt(tl['cli_to_first_enqueue'])} s (imports, registration, planning, "
+          f"daemon start, backfill daemon's first tick); last run's success -> CLI exit "
+          f"{_fmt(tl['last_success_to_cli_exit'])} s; some run in flight {tl['any_run_in_flight']:.1f} s of the wall",
+          "- CPU seconds by kind of process (sampled; xN: processes): " + "; ".join(
+              f"{_process_kind(cmd)} x{n} {cpu:.1f}" for cmd, (n, cpu) in list(o["last"]["cpu_by_command"].items())[:5]
+          ),
+          f"- same output: status counts, energon sample counts and non-zero reordered rows equal; the reorder script "
+          f"gives exactly `shardprep.reorder.reorder_array`'s rows on clip-retrieval's embeddings ({a['shards']} "
+          f"shards; ours pads each shard to its {s['samples_per_shard']} rows); our embeddings against the glue's, "
+          f"per sample ({a['samples']}): cosine min {a['cos_min']:.5f} (our tars' `fast_decode` pixels)", ""]
     return L
 
 
@@ -479,7 +629,7 @@ def main() -> int:
     try:
         steps = [("images", lambda: pair_images(m, site, server, log)), ("clip", lambda: pair_clip(m, log)),
                  ("loader", lambda: pair_loader(m, log)), ("index", lambda: pair_index(m, log)),
-                 ("gpu", lambda: pair_gpu(m, log))]
+                 ("chain", lambda: pair_chain(m, site, server, log)), ("gpu", lambda: pair_gpu(m, log))]
         for name, fn in steps:
             if name not in wanted:
                 continue
