@@ -2,6 +2,7 @@
 128+15; nothing is left in flight, half-written or holding a slot, and a re-run completes."""
 
 import signal
+import time
 from pathlib import Path
 
 from tests.fixtures.slow_runs import complete, no_slot_held, shardprep_run, slow_dataset, wait_for  # noqa: F401
