@@ -61,6 +61,7 @@ class _Follower:
         self._daemon_checked = 0.0
         self._starts = 0
         self._cancelled: set[str] = set()
+        self._cancel_deadline: float | None = None  # set when a stop signal arrives
 
     def _check_daemon(self) -> None:
         recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
@@ -83,9 +84,9 @@ class _Follower:
                     if backfill_id not in self._cancelled:
                         cancel(self.instance, backfill_id)
                         self._cancelled.add(backfill_id)
-                deadline = getattr(self, "_deadline", None) or time.monotonic() + CANCEL_WAIT_SECONDS
-                self._deadline = deadline
-                if time.monotonic() > deadline:
+                if self._cancel_deadline is None:
+                    self._cancel_deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+                if time.monotonic() > self._cancel_deadline:
                     return
             if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
                 self._check_daemon()

@@ -13,11 +13,10 @@ import pytest
 from dagster._core.events import DagsterEventType
 
 from orchestration.runner import run_pipeline
-from shardprep.layout import Layout
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
-from tests.fixtures.http_server import serve_directory
 from tests.fixtures.live_dagster import prepare_home
+from tests.fixtures.slow_runs import slow_image_source
 
 
 @dataclass(frozen=True)
@@ -58,18 +57,9 @@ def most_at_once(intervals: list[Step]) -> int:
 @pytest.fixture
 def slow_source(tmp_path, tiny_clip_dir):
     """6 shards of 8 rows whose images answer after 0.4 s each: a shard's download takes ~2 s."""
-    site = tmp_path / "site"
-    synthetic.make_demo_site(str(site), n_images=48, seed=5)
-    base_url, stop = serve_directory(str(site), slow_seconds=0.4)
-    src = tmp_path / "source"
-    synthetic.make_source_parquets(str(src), base_url + "/slow", n_files=1, rows_per_file=48, n_images=48,
-                                   broken_share=0.0)
-    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
-                          samples_per_shard=8, image_size=32, thread_count=2, timeout=5,
-                          allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
-                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
-    yield config, Layout(str(tmp_path / "out"))
-    stop()
+    with slow_image_source(tmp_path, tiny_clip_dir, rows=48, samples_per_shard=8, slow_seconds=0.4,
+                           thread_count=2, seed=5, batch_size=16) as source:
+        yield source
 
 
 @pytest.fixture
