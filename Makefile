@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardprep-installed
+# the video2dataset oracle of the video tests, in a venv of its own (it pins torch 2.1.2): see the script
+V2D    := .venv-v2d/bin/python
+export SHARDPREP_V2D_VENV := $(CURDIR)/.venv-v2d
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -14,9 +17,9 @@ export DAGSTER_PG_USER ?= postgres
 export DAGSTER_PG_PASSWORD ?=
 export DAGSTER_PG_DB ?= test
 
-.PHONY: setup chromium demo test ui bench clean
+.PHONY: setup chromium demo test ui bench s3 clean
 
-setup: $(STAMP) chromium
+setup: $(STAMP) chromium $(V2D)
 
 # The browser tests drive Debian's chromium through Playwright (never `playwright install`).
 chromium:
@@ -31,6 +34,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps dalle2-pytorch==1.15.6
 	touch $(STAMP)
 
+$(V2D): $(STAMP) tests/fixtures/video2dataset_venv.sh
+	bash tests/fixtures/video2dataset_venv.sh $(CURDIR)/.venv-v2d
+
 demo: setup
 	$(PY) -m demo.run_demo
 
@@ -41,6 +47,11 @@ test: setup
 bench: setup
 	$(PY) bench/run.py
 
+# A local S3 server (seaweedfs, from the test extra) in the foreground, data kept under .s3/; it prints
+# the AWS_* exports that point shardprep at it. Ctrl-C stops it.
+s3: $(STAMP)
+	$(PY) -m tests.fixtures.seaweed --dir .s3 --port $${S3_PORT:-8333}
+
 ui: setup
 	@test -f demo/work/shardprep.yaml || { echo "run 'make demo' first"; exit 1; }
 	$(PY) -m orchestration.instance >/dev/null
@@ -48,4 +59,4 @@ ui: setup
 	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $${PORT:-3000}
 
 clean:
-	rm -rf demo/work .dagster_home
+	rm -rf demo/work .dagster_home .venv-v2d

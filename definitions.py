@@ -3,6 +3,7 @@
 import dagster as dg
 
 from assets import DOWNLOAD_BATCHED, GPU_BATCHED, NEMO_DIFFUSION, NEMO_TEXT2IMG, global_assets, per_shard_assets
+from orchestration.distributed import executor_for
 from resources import ClipResource, DatasetResource, NemoEncoders
 from resources.dataset import load_dataset
 from resources.settings import Settings, load_settings
@@ -53,8 +54,7 @@ def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definit
         jobs=[shards_job, global_job],
         sensors=[new_source_files_sensor(settings.sensor_interval), automation],
         resources={"dataset": dataset, "clip": ClipResource(dataset=dataset), "nemo": NemoEncoders(dataset=dataset)},
-        # one process per run, not per step: a run loads each model once and skips ~15 s of imports per step
-        executor=dg.in_process_executor,
+        executor=executor_for(settings),  # SHARDPREP_EXECUTOR: in the run's process, or Celery workers
     )
 
 

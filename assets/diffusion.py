@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, materialize_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.diffusion import write_diffusion_samples
@@ -16,7 +16,7 @@ from shardprep.storage import exists
     deps=[image_shards],
     group_name="nemo_diffusion",
     kinds={"webdataset", "pytorch"},
-    pool="gpu",
+    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
 )
 def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,

@@ -6,7 +6,7 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, materialize_shards, shard_check
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards, shard_check
 from resources.clip import ClipResource
 from resources.dataset import DatasetResource
 from shardprep import encoders
@@ -22,7 +22,7 @@ from shardprep.storage import exists
     deps=[image_shards],
     group_name="embeddings",
     kinds={"numpy", "parquet", "pytorch"},
-    pool="gpu",
+    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("rows_match_samples", "clip_embeddings",
                              "One finite embedding row per tar sample, aligned with the metadata.")],

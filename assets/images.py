@@ -9,6 +9,7 @@ from assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     failures_table,
+    in_pool,
     materialize_shards,
     shard_check,
 )
@@ -64,7 +65,7 @@ def _contact_sheet_metadata(layout: Layout, key: str, rebuild: bool) -> dict:
     deps=[source_parquet],
     group_name="images",
     kinds={"webdataset"},
-    pool="download",
+    **in_pool("download"),
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("tar_matches_parquet", "image_shards",
                              "The tar holds exactly the samples the parquet marks as success.")],

@@ -8,7 +8,7 @@ import pickle
 import dagster as dg
 
 from assets.images import image_shards
-from assets.shard_runs import gpu_device, versioned
+from assets.shard_runs import gpu_device, in_pool, versioned
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
@@ -102,7 +102,7 @@ def wdinfo(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.Ma
     deps=[balanced_shards],
     group_name="nemo_text2img",
     kinds={"webdataset", "pytorch"},
-    pool="gpu",
+    **in_pool("gpu"),
     automation_condition=dg.AutomationCondition.eager(),
 )
 def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResource,

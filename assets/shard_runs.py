@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import sys
 import zlib
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -21,6 +24,13 @@ from shardprep.versions import stamped_version, write_stamp
 REBUILD_TAG = "shardprep/rebuild"  # a run tagged "true" rebuilds like ShardRunConfig(rebuild=True)
 LOCK_STRIPES = 256  # per-(asset, shard) locks share this many lock files
 DEVICE_TAG = "shardprep/device"  # + "/<asset>": the device a GPU step of the run leased
+CELERY_QUEUE_TAG = "dagster-celery/queue"  # with the Celery executor, the queue a step is sent to
+
+
+def in_pool(pool: str) -> dict[str, Any]:
+    """``@asset`` arguments for a step of ``pool``: its Dagster pool (slots bound how many run at once)
+    and, under the Celery executor, the worker queue of the same name (``shardprep worker -q gpu``)."""
+    return {"pool": pool, "op_tags": {CELERY_QUEUE_TAG: pool}}
 
 
 class ShardRunConfig(dg.Config):
@@ -67,6 +77,16 @@ def _check_result(name: str, outcomes: dict[str, CheckOutcome]) -> dg.AssetCheck
         metadata={"failed_shards": dg.MetadataValue.json(failed), "shards": len(outcomes)})
 
 
+def worker_metadata() -> dict[str, Any]:
+    """Which process did a step (host:pid), and how many models that process has loaded so far: under
+    Celery a long-lived worker loads each model once, however many shards it does."""
+    def loads(module: str) -> int:  # never imports the module: a step without models reports 0
+        return int(getattr(sys.modules.get(module), "LOAD_COUNT", 0))
+
+    return {"worker": f"{socket.gethostname()}:{os.getpid()}", "clip_loads_by_worker": loads("shardprep.encoders"),
+            "nemo_loads_by_worker": loads("shardprep.nemo_encoders")}
+
+
 def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResource, artifact: str,
                        write: Callable[[str], dict[str, Any]], *, rebuild: bool = False,
                        describe: Callable[[str], dict[str, Any]] | None = None,
@@ -111,9 +131,9 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
         )
     checks = [_check_result(check[0], {k: check[1](k) for k in keys})] if check else None
     if len(keys) == 1:
-        return dg.MaterializeResult(metadata={**results[keys[0]], "version": version}, check_results=checks,
-                                    data_version=dg.DataVersion(version))
-    summary: dict[str, Any] = {"shards": len(keys), "version": version,
+        return dg.MaterializeResult(metadata={**results[keys[0]], "version": version, **worker_metadata()},
+                                    check_results=checks, data_version=dg.DataVersion(version))
+    summary: dict[str, Any] = {"shards": len(keys), "version": version, **worker_metadata(),
                                "cached_shards": sum(r.get("status") == "cached" for r in results.values())}
     for name in ("samples", "successes", "failed_to_download", "failed_to_resize", "rows", "bytes", "seconds"):
         vals = [r[name] for r in results.values() if isinstance(r.get(name), (int, float))]

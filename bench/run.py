@@ -1,6 +1,6 @@
 """shardprep's throughput benchmarks against the peer tools, side by side (``make bench``).
 
-    python bench/run.py [--quick] [--only images,clip,loader,index,chain,gpu] [--reps N] [--out bench/RESULTS.md]
+    python bench/run.py [--quick] [--only images,clip,loader,index,chain,queue,gpu] [--reps N] [--out bench/RESULTS.md]
 
 Pairs (same data, same settings, each side a fresh process, runs alternated A/B then B/A,
 medians over the repetitions, peak memory of the whole process tree):
@@ -19,6 +19,8 @@ medians over the repetitions, peak memory of the whole process tree):
   daemon, a fresh instance) vs the glue users write today, run one after the other: ``img2dataset``,
   ``clip-retrieval inference``, a reordering script (``bench/reorder_glue.py``, embedding-dataset-
   reordering's algorithm) and ``energon prepare`` (``bench/chain.py``).
+* ``queue``: the same multi-shard ``shardprep run`` through Dagster's run queue (shards in parallel)
+  vs ``--in-process`` (one shard after the other): what the run queue buys on this machine.
 * ``gpu`` (only where CUDA is available): CLIP ViT-B/32- and ViT-L/14-sized random models,
   images/s end to end from tars and MFU (``bench/gpu.py``).
 
@@ -50,7 +52,7 @@ from measure import RunFailed, median, run_side  # noqa: E402
 from source import Server, make_index_tars, make_site, make_url_parquet  # noqa: E402
 
 WORK = os.path.join(HERE, "work")
-PAIRS = ("images", "clip", "loader", "index", "chain", "gpu")
+PAIRS = ("images", "clip", "loader", "index", "chain", "queue", "gpu")
 
 MODES = {
     "full": dict(site_images=240, image_rows=600, image_shard=100, image_reps=3,
@@ -62,7 +64,7 @@ MODES = {
                   index_tars=100, index_samples=60, index_reps=1, chain_rows=1_000, chain_shard=100, chain_reps=1,
                   gpu_samples=4_000),
 }
-FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5}
+FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "queue": 1.0}
 PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
 PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
             "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
@@ -247,9 +249,9 @@ def pair_index(m: dict, log: str) -> dict:
             "settings": {"tars": n, "samples_per_tar": k, "members_per_sample": 3, "energon_workers": PROCESSES}}
 
 
-def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
+def chain_source(m: dict, site: dict, server: Server) -> tuple[dict, dict]:
+    """The end-to-end source (URL parquet over the site) and the settings both sides of a chain run use."""
     from models import SMALL_224, build_random_clip
-    from quality import compare_chain_outputs
 
     from shardprep.keys import oom_sample_per_shard
 
@@ -257,9 +259,16 @@ def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
     parquet = os.path.join(WORK, "chain-source", "urls.parquet")  # alone in its folder: ours reads the glob
     rows = make_url_parquet(parquet, server.url, site, m["chain_rows"])
     spp = m["chain_shard"]
-    common = dict(parquet=parquet, model=f"hf_clip:{model_dir}", samples_per_shard=spp, image_size=256,
-                  resize_mode="border", threads=32, timeout=10, processes=PROCESSES, batch_size=256,
-                  split_ratio=[0.9, 0.1, 0.0], index_width=oom_sample_per_shard(spp))
+    return rows, dict(parquet=parquet, model=f"hf_clip:{model_dir}", samples_per_shard=spp, image_size=256,
+                      resize_mode="border", threads=32, timeout=10, processes=PROCESSES, batch_size=256,
+                      split_ratio=[0.9, 0.1, 0.0], index_width=oom_sample_per_shard(spp))
+
+
+def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
+    from quality import compare_chain_outputs
+
+    rows, common = chain_source(m, site, server)
+    spp = common["samples_per_shard"]
     ours_dir, glue_dir = os.path.join(WORK, "chain-ours"), os.path.join(WORK, "chain-glue")
     runs = run_pair(("chain-ours", {**common, "dir": ours_dir}), ("chain-glue", {**common, "dir": glue_dir}),
                     m["chain_reps"], log, timeout=1800, sample_every=0.5)  # the drivers sample their commands
@@ -273,6 +282,22 @@ def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
     if agreement["mismatch_count"] or agreement["cos_min"] < 0.99:
         raise Mismatch(f"chain: reordered embeddings disagree: {agreement}")
     return {"runs": runs, "rows": rows, "agreement": agreement, "settings": common,
+            "ours": summarise_chain(runs["ours"]), "theirs": summarise_chain(runs["theirs"])}
+
+
+def pair_queue(m: dict, site: dict, server: Server, log: str) -> dict:
+    """The same multi-shard `shardprep run` through Dagster's run queue (its default: shards in parallel,
+    bounded by the pools) and `--in-process` (one shard after the other in the calling process)."""
+    rows, common = chain_source(m, site, server)
+    runs = run_pair(("chain-ours", {**common, "dir": os.path.join(WORK, "queue-queued")}),
+                    ("chain-ours", {**common, "dir": os.path.join(WORK, "queue-sequential"),
+                                    "cli_args": ["--in-process"]}),
+                    m["chain_reps"], log, timeout=1800, sample_every=0.5)
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    for k in ("samples", "failed_to_download", "failed_to_resize", "energon_samples", "reordered_rows"):
+        if o[k] != t[k]:
+            raise Mismatch(f"queue: {k} differs: queued {o[k]}, in-process {t[k]}")
+    return {"runs": runs, "rows": rows, "settings": common,
             "ours": summarise_chain(runs["ours"]), "theirs": summarise_chain(runs["theirs"])}
 
 
@@ -360,6 +385,13 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""],
                 ["", "orchestration overhead: 1 - (steps busy, union over runs) / wall", f"{overhead * 100:.0f}%",
                  "", "", "", ""]]
+    if name == "queue":
+        ratio = t["wall"] / o["wall"]
+        return [["multi-shard `shardprep run`: run queue (vs `--in-process`, one shard after the other)",
+                 "wall seconds, whole run", _fmt(o["wall"]), _fmt(t["wall"]), f"{ratio:.2f}x",
+                 f"> {FLOORS['queue']}x", "PASS" if ratio > FLOORS["queue"] else "FAIL"],
+                ["", "CPU seconds, process tree", _fmt(o["cpu"]), _fmt(t["cpu"]), f"{t['cpu'] / o['cpu']:.2f}x",
+                 "", ""]]
     return []
 
 
@@ -377,7 +409,7 @@ def write_results(path: str, mode: str, machine: dict, results: dict, errors: di
          "wall times carry noise; CPU seconds (user + system of the whole process tree) are given beside them",
          "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()), ""]
     L += ["## Results", "", "| pair | metric | shardprep | peer | ratio | floor | |", "|---|---|---|---|---|---|---|"]
-    for name in ("images", "clip", "loader", "index", "chain"):
+    for name in ("images", "clip", "loader", "index", "chain", "queue"):
         if name in results:
             L += ["| " + " | ".join(row) + " |" for row in rows_for(name, results[name])]
         elif name in errors:
@@ -629,7 +661,8 @@ def main() -> int:
     try:
         steps = [("images", lambda: pair_images(m, site, server, log)), ("clip", lambda: pair_clip(m, log)),
                  ("loader", lambda: pair_loader(m, log)), ("index", lambda: pair_index(m, log)),
-                 ("chain", lambda: pair_chain(m, site, server, log)), ("gpu", lambda: pair_gpu(m, log))]
+                 ("chain", lambda: pair_chain(m, site, server, log)),
+                 ("queue", lambda: pair_queue(m, site, server, log)), ("gpu", lambda: pair_gpu(m, log))]
         for name, fn in steps:
             if name not in wanted:
                 continue

@@ -108,6 +108,18 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Replace this process with a Celery worker (signals reach it directly; SIGTERM: finish the step)."""
+    import os
+
+    from orchestration.distributed import QUEUES, worker_argv, worker_env
+
+    queues = args.queue or list(QUEUES)
+    argv = worker_argv(queues, args.concurrency, args.name, args.loglevel)
+    os.execve(argv[0], argv, worker_env(dict(os.environ), args.gpus, args.config))
+    return 0  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardprep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +154,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="every shard some selected asset has not materialized (failed ones included)")
     backfill.add_argument("--url", default="http://127.0.0.1:3000", help="the Dagster webserver")
     backfill.set_defaults(func=cmd_backfill)
+    worker = sub.add_parser("worker", help="a Celery worker that executes the steps of runs started with "
+                            "SHARDPREP_EXECUTOR=celery (broker: SHARDPREP_CELERY_BROKER)")
+    worker.add_argument("--queue", "-q", action="append", choices=["download", "gpu", "dagster"],
+                        help="a queue to take steps from (repeat; default: all): download, gpu, or dagster "
+                             "(steps without a pool: source, reordering, global assets)")
+    worker.add_argument("--gpus", help="the GPUs this worker owns, e.g. 0 or 2,3 (sets CUDA_VISIBLE_DEVICES); "
+                        "start one GPU worker per GPU")
+    worker.add_argument("--concurrency", "-c", type=int, default=1,
+                        help="steps at once (default 1: one step at a time in the worker's own process, "
+                             "which keeps its models loaded between steps)")
+    worker.add_argument("--config", help="the dataset config the runs use (sets SHARDPREP_CONFIG; "
+                        "on many machines an s3:// URL)")
+    worker.add_argument("--name", help="worker name (default shardprep-<pid>); @host is appended")
+    worker.add_argument("--loglevel", default="INFO", help="Celery log level")
+    worker.set_defaults(func=cmd_worker)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -112,6 +112,15 @@ def _pairs(subset: AssetGraphSubset) -> Pairs:
     return dict(out)
 
 
+def _materialized_since(instance: dg.DagsterInstance, key: dg.AssetKey, shards: set[str], since: float) -> set[str]:
+    """Which of ``shards`` of ``key`` ("" for an unpartitioned asset) were materialized after ``since``."""
+    partitions = sorted(s for s in shards if s) or None
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=partitions, after_timestamp=since), limit=len(shards)
+        + 1000).records
+    return {r.partition_key or "" for r in records} & shards
+
+
 def progress(instance: dg.DagsterInstance, backfill_id: str) -> Progress:
     backfill = instance.get_backfill(backfill_id)
     data = backfill.asset_backfill_data
@@ -191,6 +200,10 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
     data = backfill.asset_backfill_data if backfill is not None else None
     if data is not None:
         for key, shards in _pairs(data.target_subset - data.materialized_subset).items():
-            for shard in shards:
+            # the backfill's own accounting can miss a materialization the instance has (seen with Celery
+            # workers writing events while the daemon reads them): a pair counts as missing only if the
+            # instance has no materialization of it since the backfill began either
+            done = _materialized_since(instance, key, shards, backfill.backfill_timestamp)
+            for shard in shards - done:
                 out.setdefault(shard or "(global)", f"{key.to_user_string()}: not materialized")
     return out

@@ -6,12 +6,12 @@ and backfills see them as missing and redo them) and new shards become dynamic p
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import dagster as dg
 
 from orchestration.invalidate import invalidate
+from resources.dataset import config_url
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.ledger import ReshardResult, reshard_source
@@ -34,7 +34,7 @@ def reshard(config_path: str, source_url: str, instance: dg.DagsterInstance | No
         from orchestration.instance import get_instance
 
         instance = get_instance()
-    cfg = load_config(os.path.abspath(config_path))
+    cfg = load_config(config_url(config_path))
 
     def wipe(shards: list[str]) -> None:
         invalidate(instance, Layout(cfg.output_root), [a.key.path[-1] for a in per_shard_assets], shards)

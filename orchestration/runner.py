@@ -22,7 +22,7 @@ from dagster._core.storage.dagster_run import FINISHED_STATUSES
 
 from orchestration.instance import get_instance, instance_lock
 from orchestration.plan import current_partitions, latest_version, todo_by_shard
-from resources.dataset import HOST_TAG, PID_TAG
+from resources.dataset import HOST_TAG, PID_TAG, config_url
 from shardprep.config import DatasetConfig, load_config
 from shardprep.ledger import Registration, register_sources
 from shardprep.storage import pid_alive
@@ -192,7 +192,7 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
                  instance: dg.DagsterInstance | None = None, in_process: bool = False) -> RunSummary:
     """Register new source rows, then materialize every (asset, shard) that is missing or outdated and
     the unpartitioned assets after them (queued through Dagster's daemons, or ``in_process``)."""
-    config_path = os.path.abspath(config_path)
+    config_path = config_url(config_path)
     instance = instance or get_instance()
     recover_dead_runs(instance)
     plan = make_plan(config_path, instance, rebuild)

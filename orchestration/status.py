@@ -14,6 +14,7 @@ from dagster._core.storage.partition_status_cache import (AssetStatusCacheValue,
                                                           get_and_update_asset_status_cache_value)
 
 from orchestration.plan import current_partitions, latest_version
+from resources.dataset import config_url
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def load_defs(config_path: str | None) -> dg.Definitions:
         if config_path:
             from definitions import build_defs
 
-            return build_defs(os.path.abspath(config_path))
+            return build_defs(config_url(config_path))
         from definitions import defs
 
         return defs

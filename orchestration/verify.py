@@ -11,13 +11,13 @@ a missing ``.tar.idx`` restored); wdinfo and the report are rewritten anyway.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import dagster as dg
 
 from orchestration.invalidate import invalidate
+from resources.dataset import config_url
 from orchestration.plan import current_partitions, latest_version
 from shardprep.config import load_config
 from shardprep.layout import Layout
@@ -71,7 +71,7 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
     the broken ones so the next run redoes them (and nothing else)."""
     from definitions import build_defs
 
-    config_path = os.path.abspath(config_path)
+    config_path = config_url(config_path)
     cfg = load_config(config_path)
     layout, versions = Layout(cfg.output_root), artifact_versions(cfg)
     ledger = load_ledger(layout)

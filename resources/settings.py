@@ -33,14 +33,26 @@ class Settings:
     sensor_interval: int = 30
     # SHARDPREP_GPU_SHARDS_PER_RUN: shards per backfill run of a GPU asset (a model loads once per run)
     gpu_shards_per_run: int = 8
-    # SHARDPREP_DOWNLOAD_SHARDS_PER_RUN: shards per backfill run of source_parquet / image_shards
-    download_shards_per_run: int = 4
+    # SHARDPREP_DOWNLOAD_SHARDS_PER_RUN: shards per backfill run of source_parquet / image_shards. Equal to
+    # the GPU one, every per-shard asset has the same backfill policy and Dagster puts a chunk of shards
+    # through all of them in one run: one process start and one model load per chunk (bench/QUEUE.md)
+    download_shards_per_run: int = 8
     # SHARDPREP_GPU_SLOTS: slots of the `gpu` pool set on an instance that has none yet
     # (default: one per visible GPU, 1 without GPUs; each GPU step leases its own device)
     gpu_slots: int | None = None
     # SHARDPREP_DOWNLOAD_SLOTS: slots of the `download` pool set on an instance that has none yet
     # (default: half the cores, at least 2: each download step already decodes on every core)
     download_slots: int | None = None
+    # SHARDPREP_EXECUTOR: in_process | celery -- where a run's steps execute: in the run's own process
+    # (one machine), or as tasks on dagster-celery workers (`shardprep worker`; many machines)
+    executor: str = "in_process"
+    # SHARDPREP_CELERY_BROKER: the Celery broker the runs and the workers share (RabbitMQ)
+    celery_broker: str = "pyamqp://guest:guest@127.0.0.1:5672//"
+    # SHARDPREP_CELERY_BACKEND: the Celery result backend (Redis)
+    celery_backend: str = "redis://127.0.0.1:6379/0"
+
+
+CHOICES = {"executor": ("in_process", "celery")}
 
 
 def env_name(field: str) -> str:
@@ -66,7 +78,9 @@ def _parse(field: str, raw: str, kind: str):
         return number
     if not raw.strip():
         raise SettingsError(f"environment setting {name} is set but empty")
-    return raw
+    if field in CHOICES and raw.strip() not in CHOICES[field]:
+        raise SettingsError(f"environment setting {name}={raw!r}: must be one of {', '.join(CHOICES[field])}")
+    return raw.strip()
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

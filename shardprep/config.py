@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from shardprep import storage
 from shardprep.errors import ShardprepError
 
 ResizeMode = Literal["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"]
@@ -29,6 +30,9 @@ PositiveInt = Annotated[int, Field(gt=0, description="a positive integer")]
 NonNegativeInt = Annotated[int, Field(ge=0, description="an integer >= 0")]
 Flag = Annotated[bool, Field(description="true or false")]
 Share = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# the start of a storage_options error, whose message names the wrong option (its value is shown with
+# credentials masked)
+STORAGE_OPTIONS_PROBLEM = "storage_options: "
 
 
 class ConfigError(ShardprepError, ValueError):
@@ -43,6 +47,12 @@ class DatasetConfig(BaseModel):
     # where the data comes from and goes to (any fsspec URL; a glob for the source)
     source: Text
     output_root: Text
+    # how to reach them, by fsspec protocol (e.g. s3: endpoint_url, key, secret): applied to the whole
+    # process when the config loads (shardprep.storage.configure); not shown, it may hold a secret
+    storage_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, repr=False,
+        description="a mapping of fsspec protocol to that filesystem's options, e.g. "
+                    "{s3: {endpoint_url: 'http://127.0.0.1:8333', key: ..., secret: ...}}")
     url_col: Text = "url"
     caption_col: Text | None = Field("caption", description="a column name or null (no captions)")
     save_additional_columns: tuple[Text, ...] = Field(
@@ -72,6 +82,33 @@ class DatasetConfig(BaseModel):
     max_image_pixels: PositiveInt = 89_478_485  # PIL's decompression-bomb threshold
     allow_private_addresses: Flag = False
     user_agent: Text = "shardprep/0.1 (+https://github.com/shardprep)"
+    # videos (shardprep/video_shards.py), the options of video2dataset's subsamplers under its names:
+    # video_size + video_resize_mode its ResolutionSubsampler (null size: keep it), video_frame_rate its
+    # FrameSubsampler (null: the source's average rate), video_clip_* its ClippingSubsampler (max_length,
+    # min_length, max_length_strategy; spans from video_clip_col, else the whole video). url_col and
+    # caption_col name the columns (WebVid: contentUrl, name). Every video is decoded and re-encoded.
+    video_size: Annotated[int, Field(gt=0)] | None = Field(None, description="a positive integer or null (keep)")
+    video_resize_mode: Literal["scale", "crop", "pad", "scale,crop", "scale,pad", "crop,pad", "scale,crop,pad"] = Field(
+        "scale,crop,pad", description="scale, crop, pad or a comma-separated combination in that order")
+    video_frame_rate: Annotated[float, Field(gt=0, le=240, allow_inf_nan=False)] | None = Field(
+        None, description="frames per second in (0, 240], or null (the source's average rate)")
+    video_max_duration: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="a positive number of seconds, or null (no limit)")
+    video_clip_length: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="a positive number of seconds, or null (one sample per video)")
+    video_min_clip_length: float = Field(0.0, ge=0, allow_inf_nan=False, description="a number of seconds >= 0")
+    video_clip_strategy: Literal["all", "first"] = Field("all", description="all or first")
+    video_clip_col: Text | None = Field(None, description="a column name or null (clips of the whole video)")
+    video_encode_format: Literal["mp4", "webm"] = Field("mp4", description="mp4 (H.264) or webm (VP9)")
+    video_crf: int = Field(23, ge=0, le=51, description="an integer in [0, 51] (lower: better and larger)")
+    video_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
+                          "veryslow"] = Field("veryfast", description="an x264 preset, ultrafast to veryslow")
+    video_thread_count: PositiveInt = 16  # downloads at once per shard (each holds up to max_video_bytes)
+    video_decode_threads: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per CPU core)")
+    max_video_bytes: PositiveInt = 200_000_000
+    max_video_pixels: PositiveInt = 16_777_216  # 4096 x 4096
+    video_timeout: float = Field(600.0, gt=0, allow_inf_nan=False, description="a positive number of seconds "
+                                 "(decode and encode time per video)")
     # CLIP embeddings (clip-retrieval's model spelling)
     clip_model: Text = "ViT-B/32"
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -113,6 +150,20 @@ class DatasetConfig(BaseModel):
             return ()
         return tuple(v) if isinstance(v, list) else v
 
+    @field_validator("storage_options", mode="before")
+    @classmethod
+    def _usable_storage_options(cls, v: Any) -> Any:
+        # checked before pydantic's types, so the message says which option of which protocol is wrong
+        if v is None:  # an empty `storage_options:`
+            return {}
+        if not isinstance(v, dict):
+            raise ValueError(STORAGE_OPTIONS_PROBLEM + "not a mapping")
+        for protocol, options in v.items():
+            problem = storage.option_problem(str(protocol), options)
+            if problem:
+                raise ValueError(STORAGE_OPTIONS_PROBLEM + problem)
+        return v
+
     @field_validator("save_additional_columns")
     @classmethod
     def _usable_columns(cls, cols: tuple[str, ...]) -> tuple[str, ...]:
@@ -148,6 +199,15 @@ class DatasetConfig(BaseModel):
         return d
 
 
+def _without_secrets(value: Any) -> Any:
+    """``value`` with the values of options named like credentials masked (errors are logged)."""
+    if not isinstance(value, dict):
+        return value
+    secret = ("key", "secret", "token", "password", "credential")
+    return {k: "***" if isinstance(k, str) and any(w in k.lower() for w in secret) else _without_secrets(v)
+            for k, v in value.items()}
+
+
 def _field_error(name: str, value: str, allowed: str | None) -> str:
     return f"config field '{name}': got {value}; allowed: {allowed}"
 
@@ -169,6 +229,11 @@ def _describe(e: ValidationError, raw: dict[str, Any]) -> str:
         seen.add(name)
         if err["type"] == "missing" and len(err["loc"]) == 1:  # not a short list's missing item
             lines.append(f"config field '{name}' is required")
+        elif name == "storage_options":
+            problem = str(err.get("ctx", {}).get("error", "")).partition(STORAGE_OPTIONS_PROBLEM)[2]
+            given = _without_secrets(raw.get(name))
+            lines.append(_field_error(name, f"{given!r} ({type(given).__name__})", fields[name].description)
+                         + (f"; here {problem}" if problem else ""))
         elif name in fields:
             given = (f"{raw[name]!r} ({type(raw[name]).__name__})" if name in raw
                      else f"{fields[name].default!r} (the default)")
@@ -194,9 +259,11 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
     if not all(isinstance(k, str) for k in raw):  # YAML allows `1: x`; keywords must be strings
         raise ConfigError(f"{origin}: " + _unknown_fields([repr(k) for k in raw if not isinstance(k, str)]))
     try:
-        return DatasetConfig(**raw)
+        cfg = DatasetConfig(**raw)
     except ConfigError as e:  # every line names the file
         raise ConfigError("\n".join(f"{origin}: {line}" for line in str(e).splitlines())) from None
+    storage.configure(cfg.storage_options)  # before anything under source or output_root is touched
+    return cfg
 
 
 def load_config(path: str) -> DatasetConfig:

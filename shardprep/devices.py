@@ -58,6 +58,19 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _lock_name(device: Device) -> str:
+    """The lock file of ``device`` on this machine. Processes that see different GPUs (each Celery GPU
+    worker sets its own ``CUDA_VISIBLE_DEVICES``) all call theirs ``cuda:0``: lock the physical device
+    the index maps to, so two workers never lease one GPU twice and never block each other's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if device.name.startswith("cuda:") and visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        index = int(device.name.split(":")[1])
+        if index < len(ids):
+            return f"gpu-{ids[index]}.lock"
+    return f"{device.name.replace(':', '-')}.lock"
+
+
 def _lock_dir() -> str:
     folder = os.environ.get(LOCK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "shardprep-devices")
     os.makedirs(folder, exist_ok=True)
@@ -81,7 +94,7 @@ def lease(requested: str = "auto", wait_seconds: float = 24 * 3600, poll_seconds
     folder = _lock_dir()
     while True:
         for device in devices:
-            fh = open(os.path.join(folder, f"{device.name.replace(':', '-')}.lock"), "a")
+            fh = open(os.path.join(folder, _lock_name(device)), "a")
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

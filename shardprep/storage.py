@@ -3,15 +3,24 @@
 
 Writes are atomic: readers see the old file or the complete new one, never a part. Locally a hidden
 temp file beside the target is fsynced and renamed over it; on object stores a local temp file is
-uploaded in one put (objects appear atomically). A temp file's name carries its writer
-(``.{name}.tmp-{random}-{pid}@{host}``), so a later writer removes only the temps of writers that are
-gone, never those of a live one working on the same target.
+uploaded in one put (objects appear atomically; a killed multipart upload never completes, so no
+object appears). A temp file's name carries its writer (``.{name}.tmp-{random}-{pid}@{host}``), so a
+later writer removes only the temps of writers that are gone, never those of a live one working on the
+same target.
+
+Object stores are reached with their driver's own configuration: for ``s3://`` (s3fs, botocore) the
+standard AWS variables (``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, profiles), or the dataset config's
+``storage_options`` (``configure``), which win over them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
+import hashlib
+import inspect
 import io
 import os
 import shutil
@@ -31,7 +40,54 @@ _HOST = socket.gethostname()
 
 
 def url_to_fs(url: str):
-    return fsspec.core.url_to_fs(url)
+    """``(filesystem, path)`` of a URL. Listings are never cached: other processes (Dagster runs, a
+    sensor's next tick, workers on other machines) write under the same root, and a cached listing hides
+    their files (s3fs answers "no such file" for a new file in a folder it listed before) and sizes."""
+    return fsspec.core.url_to_fs(url, use_listings_cache=False)
+
+
+# ---------------------------------------------------------------- filesystem options
+
+
+def configure(options: dict[str, dict]) -> None:
+    """Make ``options`` the defaults of every filesystem of their protocol in this process, e.g.
+    ``{"s3": {"endpoint_url": ..., "key": ..., "secret": ...}}`` (fsspec's own config: every later
+    ``url_to_fs``, and any fsspec user in the process, gets them; explicit arguments still win)."""
+    for protocol, opts in options.items():
+        fsspec.config.conf[protocol] = dict(opts)
+
+
+def option_problem(protocol: str, options: object) -> str | None:
+    """What is wrong with ``options`` for filesystems of ``protocol`` (None: nothing). Unknown names are
+    refused: fsspec drivers swallow any keyword, so a typo (``endpoint`` for ``endpoint_url``) would
+    silently send requests to the default endpoint (AWS)."""
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as e:
+        return f"{protocol!r}: its fsspec driver is not installed ({e})"
+    except ValueError:
+        return f"unknown protocol {protocol!r}"
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        return f"{protocol}: options must be a mapping of option names to values"
+    known = _option_names(cls)
+    for name, value in options.items():
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{protocol}: unknown option {name!r}{hint}"
+        if name == "endpoint_url" and not (isinstance(value, str) and value.startswith(("http://", "https://"))):
+            return f"{protocol}: endpoint_url must be an http:// or https:// URL, got {value!r}"
+    return None
+
+
+def _option_names(cls) -> set[str]:
+    # the named parameters of the driver's constructors, and fsspec's own (listing cache, instance cache)
+    names = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass is not object:
+            params = inspect.signature(klass.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names - {"self"}
 
 
 def is_local(url: str) -> bool:
@@ -67,14 +123,26 @@ def join(root: str, *parts: str) -> str:
 
 
 def stat(url: str) -> tuple[int, str]:
-    """(size, modification stamp) of a file; the stamp changes whenever the file is rewritten."""
+    """(size, stamp) of a file; the stamp changes whenever the file's content does (locally: whenever
+    the file is rewritten)."""
     fs, path = url_to_fs(url)
     if is_local(url):
         st = os.stat(path)  # nanoseconds: fsspec's local mtime is a float of seconds
         return st.st_size, str(st.st_mtime_ns)
     info = fs.info(path)
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("ETag") or ""
+    # an object's ETag is a digest of its content: it changes even within LastModified's one second
+    keys = ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
+    stamp = next((info[k] for k in keys if info.get(k)), "")
     return int(info["size"]), str(stamp)
+
+
+def modified(url: str) -> float | None:
+    """When the file was last written, in seconds since the epoch (None where the filesystem keeps no
+    such time). Object stores keep whole seconds."""
+    fs, path = url_to_fs(url)
+    if is_local(url):
+        return os.stat(path).st_mtime
+    return _mtime(fs.info(path))
 
 
 # ---------------------------------------------------------------- temp files and their writers
@@ -110,7 +178,7 @@ def writer_gone(temp_name: str, mtime: float | None = None, now: float | None = 
 
 
 def _mtime(info: dict) -> float | None:
-    value = info.get("mtime") or info.get("LastModified") or info.get("created")
+    value = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
     if hasattr(value, "timestamp"):
         return value.timestamp()
     return float(value) if isinstance(value, (int, float)) else None
@@ -171,18 +239,27 @@ def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
             if os.path.exists(tmp):
                 os.remove(tmp)
     else:
-        with tempfile.NamedTemporaryFile(mode, delete=False, suffix=TEMP_MARK) as f:
-            tmp = f.name
-            try:
-                yield f
-            except BaseException:
-                f.close()
-                os.remove(tmp)
-                raise
+        folder = _upload_dir()
+        tmp = _temp_name(os.path.join(folder, "upload"))
         try:
+            with open(tmp, mode) as f:
+                yield f
             fs.put_file(tmp, path)
         finally:
-            os.remove(tmp)
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _upload_dir() -> str:
+    """The local folder of object-store uploads in progress, rid of the temp files of writers that
+    died (a killed writer cannot remove its own, and an image tar is large)."""
+    folder = os.path.join(tempfile.gettempdir(), "shardprep-uploads")
+    os.makedirs(folder, exist_ok=True)
+    for entry in os.scandir(folder):
+        with contextlib.suppress(FileNotFoundError):
+            if TEMP_MARK in entry.name and writer_gone(entry.name, entry.stat().st_mtime):
+                os.remove(entry.path)
+    return folder
 
 
 def publish_file(local_path: str, url: str) -> None:
@@ -264,13 +341,16 @@ def write_npy(url: str, array: np.ndarray) -> None:
 @contextlib.contextmanager
 def lock(root_url: str, name: str) -> Iterator[None]:
     """Serialise a read-modify-write of a file under ``root_url`` between processes of one machine
-    (``flock`` on ``{root}/.shardprep/locks/{name}.lock``). Object stores have no lock here: there, one process
-    at a time must update a given file (the Dagster run that owns it)."""
-    if not is_local(root_url):
-        yield
-        return
-    _, root = url_to_fs(root_url)
-    folder = os.path.join(root, ".shardprep", "locks")
+    (``flock`` on ``{root}/.shardprep/locks/{name}.lock``). An object store has no lock of its own: for
+    one, the lock file is local (one folder per root URL in the temp folder), so the processes of one
+    machine are serialised all the same; across machines, one process at a time must update a given file
+    (the Dagster run that owns it)."""
+    fs, root = url_to_fs(root_url)
+    if is_local(root_url):
+        folder = os.path.join(root, ".shardprep", "locks")
+    else:
+        digest = hashlib.sha256(fs.unstrip_protocol(root.rstrip("/")).encode("utf-8")).hexdigest()[:16]
+        folder = os.path.join(tempfile.gettempdir(), "shardprep-locks", digest)
     os.makedirs(folder, exist_ok=True)
     with file_lock(os.path.join(folder, f"{name}.lock")):
         yield

@@ -294,7 +294,7 @@ def verify_precached_encodings(layout: Layout, chunk_size: int) -> Findings:
 
 def verify_energon_index(dataset_dir: str) -> Findings:
     """The ``.nv-meta`` files are there, ``index.sqlite`` opens and counts what ``.info.json`` says,
-    and every indexed tar has its ``.tar.idx``."""
+    and every indexed tar has its ``.tar.idx``, whole (one offset per sample, and the end)."""
     from shardprep.energon import format as fmt
 
     f = Findings()
@@ -308,9 +308,12 @@ def verify_energon_index(dataset_dir: str) -> Findings:
     if f.problems or not isinstance(info, dict):
         return f
     counts = info.get("shard_counts", {})
-    for tar in counts:
-        if not storage.exists(f"{dataset_dir}/{tar}.idx"):
-            f.fail(f"{dataset_dir}/{tar}.idx", "missing (energon reads samples through it)")
+    for tar, count in counts.items():
+        idx = f"{dataset_dir}/{tar}.idx"
+        if not storage.exists(idx):
+            f.fail(idx, "missing (energon reads samples through it)")
+        elif (size := storage.stat(idx)[0]) != 8 * (count + 1):
+            f.fail(idx, f"{size} bytes, {count} samples need {8 * (count + 1)}")
     with tempfile.NamedTemporaryFile(suffix=".sqlite") as local:
         try:
             storage.fetch_file(f"{meta}/{fmt.INDEX_SQLITE}", local.name)

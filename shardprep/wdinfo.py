@@ -23,12 +23,14 @@ class WdinfoError(ShardprepError, ValueError):
 
 
 def _count_from_tar_idx(tar_url: str) -> int | None:
-    # energon's .tar.idx has count + 1 offsets; trusted only if not older than the tar itself
+    # energon's .tar.idx has count + 1 offsets; trusted only if not older than the tar itself (on any
+    # filesystem: a shard's tar rewritten on S3 leaves its old .tar.idx until the index is updated)
     idx = tar_url + ".idx"
     if not storage.exists(idx):
         return None
-    size, stamp = storage.stat(idx)
-    if storage.is_local(tar_url) and int(stamp) < int(storage.stat(tar_url)[1]):
+    size, _ = storage.stat(idx)
+    tar_time, idx_time = storage.modified(tar_url), storage.modified(idx)
+    if tar_time is not None and (idx_time is None or idx_time < tar_time):
         return None
     if size < 8 or size % 8:
         return None

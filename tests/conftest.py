@@ -34,3 +34,14 @@ def tiny_nemo_dirs(tmp_path_factory) -> dict:
     from tests.fixtures.tiny_nemo import build_tiny_nemo_models
 
     return build_tiny_nemo_models(str(tmp_path_factory.mktemp("tiny-nemo")))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (seaweedfs ``weed mini``) on free ports of 127.0.0.1, with credentials and one
+    bucket; one per test process (pytest-xdist workers each start their own)."""
+    from tests.fixtures import seaweed
+
+    server = seaweed.start(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    seaweed.stop(server)

@@ -51,3 +51,17 @@ def test_a_killed_holders_device_is_leased_again(three_devices):
     start = time.monotonic()
     with devices.lease("sim1", wait_seconds=5) as d:  # the kernel dropped the dead process's lock
         assert d.name == "sim1" and time.monotonic() - start < 5
+
+
+def test_workers_with_their_own_visible_gpus_lock_the_physical_device(monkeypatch):
+    # two Celery GPU workers (`shardprep worker --gpus 2` and `--gpus 5`) each see only "cuda:0"
+    cuda0 = devices.Device("cuda:0", "cuda:0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    first = devices._lock_name(cuda0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    second = devices._lock_name(cuda0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2")
+    assert devices._lock_name(devices.Device("cuda:1", "cuda:1")) == first == "gpu-2.lock"
+    assert second == "gpu-5.lock" != first
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert devices._lock_name(cuda0) == "cuda-0.lock"

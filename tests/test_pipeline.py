@@ -18,6 +18,7 @@ from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
+from tests.fixtures.energon_read import energon_keys
 from tests.fixtures.live_dagster import prepare_home
 
 SHARD_ASSETS = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples"]
@@ -74,7 +75,8 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
     config, layout, _ = dataset
     summary = run_pipeline(config, instance=instance, progress=False)  # the default: queued, through the daemon
     assert summary.ok, summary.failed
-    assert len(summary.backfills) == 2 and summary.runs >= 3  # shards in batches, then the unpartitioned assets
+    # the 5 shards in one run through every per-shard asset (8 shards per run by default), then the global assets
+    assert len(summary.backfills) == 2 and summary.runs == 2
     assert summary.shards == ["00000", "00001", "00002", "00003", "00004"]
     assert summary.materialized == materialized(5)
 
@@ -140,19 +142,6 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
     check_nemo_outputs(layout, set(ours))
 
 
-def _energon_keys(path: str, split: str, task_encoder=None) -> list:
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
-
-    kwargs = {"task_encoder": task_encoder} if task_encoder else {}
-    ds = get_train_dataset(path, split_part=split, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-                           batch_size=4, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
-                           **kwargs)
-    keys = []
-    for batch in get_loader(ds):
-        keys += [s["__key__"] for s in batch] if isinstance(batch, list) else list(batch.__key__)
-    return keys
-
-
 def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
     """wdinfo and balanced tars as NeMo reads them; both energon indexes through the real energon loader."""
     import pickle
@@ -172,7 +161,7 @@ def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
     assert set(enc) == {"autoencoderkl_image", "clip-vit-large-patch14_text"}
 
     # image index: CaptioningSample batches cover every successful key exactly once across the splits
-    keys = _energon_keys(layout.images_dir, "train") + _energon_keys(layout.images_dir, "val")
+    keys = energon_keys(layout.images_dir, "train") + energon_keys(layout.images_dir, "val")
     assert sorted(keys) == sorted(success_keys)
 
     @stateless
@@ -191,8 +180,8 @@ def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
         def batch(self, samples):  # T5 states differ in length: keep the samples as they are
             return samples
 
-    diffusion = _energon_keys(layout.diffusion_dir, "train", Crude()) + \
-        _energon_keys(layout.diffusion_dir, "val", Crude())
+    diffusion = energon_keys(layout.diffusion_dir, "train", Crude()) + \
+        energon_keys(layout.diffusion_dir, "val", Crude())
     assert sorted(diffusion) == sorted(success_keys)
 
 

@@ -12,10 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import dagster as dg
-import pytest
 
 from assets import NEMO_DIFFUSION, per_shard_assets
 from orchestration.instance import POSTGRES_ENV_DEFAULTS
@@ -23,6 +21,7 @@ from shardprep.config import load_config
 from shardprep.ledger import register_sources
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
+from tests.fixtures.services import pg_database, pg_env  # noqa: F401 - a fixture
 
 SHARDS = ["00000", "00001", "00002"]
 LOCK_ERRORS = ("database is locked", "deadlock detected", "could not obtain lock", "could not serialize",
@@ -47,41 +46,6 @@ result = job.execute_in_process(partition_key=shard, instance=instance, run_conf
 print("run", result.run_id, "success" if result.success else "failure", flush=True)
 sys.exit(0 if result.success else 1)
 """
-
-
-def pg_env() -> dict[str, str]:
-    return {k: os.environ.get(k, v) for k, v in POSTGRES_ENV_DEFAULTS.items()}
-
-
-def connect(dbname: str):
-    import psycopg2
-
-    env = pg_env()
-    return psycopg2.connect(host=env["DAGSTER_PG_HOST"], port=int(env["DAGSTER_PG_PORT"]),
-                            user=env["DAGSTER_PG_USER"], password=env["DAGSTER_PG_PASSWORD"], dbname=dbname,
-                            connect_timeout=5)
-
-
-@pytest.fixture
-def pg_database():
-    """A fresh database on the server, dropped after the test."""
-    psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres installs psycopg2")
-    env = pg_env()
-    try:
-        admin = connect(env["DAGSTER_PG_DB"])
-    except psycopg2.OperationalError as e:
-        pytest.skip(f"no PostgreSQL answers at {env['DAGSTER_PG_HOST']}:{env['DAGSTER_PG_PORT']} "
-                    f"(user {env['DAGSTER_PG_USER']}, database {env['DAGSTER_PG_DB']}): {str(e).strip()}")
-    admin.autocommit = True
-    name = f"shardprep_test_{uuid.uuid4().hex[:12]}"
-    with admin.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield name
-    finally:
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
 
 
 def test_three_shard_runs_at_once_on_postgres(tmp_path, pg_database, image_site, tiny_clip_dir, monkeypatch):

@@ -186,7 +186,7 @@ def _update_sqlite(path: str, dataset_dir: str, plan: _Plan, scans: list[TarScan
                    generation: int | None) -> tuple[int, dict[str, bytes]]:
     """Apply ``plan`` and ``scans`` to the local sqlite at ``path``; returns its generation (a new one
     unless ``generation`` is kept) and the ``.tar.idx`` bytes of kept tars whose ``.tar.idx`` went
-    missing (rebuilt from their rows, without a rescan)."""
+    missing or was cut short (rebuilt from their rows, without a rescan)."""
     ids = plan.ids
     old_ids = {name: i for i, name in enumerate(plan.old_order)}
     db = sqlite3.connect(path)
@@ -203,11 +203,20 @@ def _update_sqlite(path: str, dataset_dir: str, plan: _Plan, scans: list[TarScan
         if generation is None:
             generation = new_generation(db)
         restore = {n: idx_from_sqlite(db, ids[n]) for n in plan.kept
-                   if not storage.exists(storage.join(dataset_dir, n + ".idx"))}
+                   if not _idx_whole(dataset_dir, n, plan.old_entries[n]["count"])}
         db.commit()
     finally:
         db.close()
     return generation, restore
+
+
+def _idx_whole(dataset_dir: str, name: str, count: int) -> bool:
+    # a kept tar's .tar.idx that went missing or was cut short is rebuilt from its rows: one offset per
+    # sample and the end, 8 bytes each (the size is all a stat gives, and all a truncation changes)
+    try:
+        return storage.stat(storage.join(dataset_dir, name + ".idx"))[0] == 8 * (count + 1)
+    except FileNotFoundError:
+        return False
 
 
 # ---------------------------------------------------------------- publication
