@@ -1,4 +1,4 @@
-"""Download one image URL: bounded in time and size, pooled connections, and an address guard.
+"""Download one URL (an image or a video): bounded in time and size, pooled connections, and an address guard.
 
 ``fetch`` never raises for network problems: it returns ``Fetched(data, None)`` or
 ``Fetched(None, message)``. Messages follow img2dataset's (``HTTP Error 404: Not Found``,
@@ -145,7 +145,7 @@ def _host_header(host: str, port: int, scheme: str) -> str:
 def _read_body(resp, max_bytes: int, deadline: float) -> bytes:
     length = resp.headers.get("Content-Length")
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
-        raise _Refused(f"image too large to download (> {max_bytes} bytes)")
+        raise _Refused(f"file too large to download (> {max_bytes} bytes)")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -157,7 +157,7 @@ def _read_body(resp, max_bytes: int, deadline: float) -> bytes:
             return b"".join(chunks)
         size += len(chunk)
         if size > max_bytes:
-            raise _Refused(f"image too large to download (> {max_bytes} bytes)")
+            raise _Refused(f"file too large to download (> {max_bytes} bytes)")
         chunks.append(chunk)
 
 

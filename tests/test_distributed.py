@@ -134,7 +134,8 @@ def test_a_run_on_two_celery_workers_over_s3_and_postgres_survives_a_killed_work
         (home / "dagster.yaml").write_text((CHECKOUT / "dagster.postgres.yaml").read_text() + NO_COMPUTE_LOGS)
         # two shards per run, so both workers get shards; a slot per worker in each pool
         launcher_env = {**env, "DAGSTER_HOME": str(home), "SHARDPREP_DOWNLOAD_SHARDS_PER_RUN": "2",
-                        "SHARDPREP_GPU_SHARDS_PER_RUN": "2", "SHARDPREP_GPU_SLOTS": "2", "SHARDPREP_DOWNLOAD_SLOTS": "2"}
+                        "SHARDPREP_GPU_SHARDS_PER_RUN": "2", "SHARDPREP_GPU_SLOTS": "2",
+                        "SHARDPREP_DOWNLOAD_SLOTS": "2"}
 
         def shardprep(*args: str) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=home.parent,
@@ -172,8 +173,8 @@ def test_a_run_on_two_celery_workers_over_s3_and_postgres_survives_a_killed_work
                 assert sorted({r.partition_key for r in records}) == SHARDS, asset
                 for r in records:
                     meta = r.asset_materialization.metadata
-                    by_worker.setdefault(meta["worker"].value, []).append(
-                        (asset, r.partition_key, meta["clip_loads_by_worker"].value, meta["nemo_loads_by_worker"].value))
+                    loads = (meta["clip_loads_by_worker"].value, meta["nemo_loads_by_worker"].value)
+                    by_worker.setdefault(meta["worker"].value, []).append((asset, r.partition_key, *loads))
             for asset in GLOBAL:
                 assert instance.get_latest_materialization_event(dg.AssetKey(asset)) is not None, asset
             pids = {int(w.split(":")[1]) for w in by_worker}
