@@ -5,13 +5,24 @@ import signal
 import time
 from pathlib import Path
 
-from tests.fixtures.slow_runs import complete, no_slot_held, shardprep_run, slow_dataset, wait_for  # noqa: F401
+import pytest
+
+from tests.fixtures.slow_runs import complete, no_slot_held, shardprep_run, slow_image_source, wait_for
 
 
-def test_sigterm_stops_the_run_promptly_and_cancels_it(slow_dataset):
+@pytest.fixture
+def slower_dataset(tmp_path, tiny_clip_dir):
+    """20-row shards whose images answer after 2 s each (4 download threads: ~10 s a shard), so a shard's
+    run is surely still downloading when the SIGTERM's cancellation reaches it, however fast the machine."""
+    with slow_image_source(tmp_path, tiny_clip_dir, rows=60, samples_per_shard=20, slow_seconds=2.0,
+                           thread_count=4, seed=2) as (config, layout):
+        yield config, layout, tmp_path / "dagster_home"
+
+
+def test_sigterm_stops_the_run_promptly_and_cancels_it(slower_dataset):
     import dagster as dg
 
-    config, layout, home = slow_dataset
+    config, layout, home = slower_dataset
     proc = shardprep_run(config, home)
     wait_for(proc, layout.source_parquet("00001"), "shard 00001's run starting")
     time.sleep(1.0)  # its images are downloading
