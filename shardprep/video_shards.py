@@ -34,13 +34,12 @@ from functools import partial
 from typing import Any, Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
 from shardprep.fetch import fetch, make_pool
 from shardprep.image_shards import ordered_map
 from shardprep.keys import compute_key, shard_key
-from shardprep.storage import atomic_write, join, remove
+from shardprep.storage import join, remove, write_bytes, write_parquet
 from shardprep.tars import TarWriter
 from shardprep.video_clips import OOM_CLIP_COUNT, Transcoded, VideoSpec, parse_spans, transcode
 from shardprep.video_decode import VideoError
@@ -256,8 +255,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     finally:
         pool.clear()
 
-    with atomic_write(parquet_url) as f:
-        pq.write_table(pa.Table.from_pydict(rows, schema=schema), f)
+    write_parquet(parquet_url, pa.Table.from_pydict(rows, schema=schema))
 
     end_time = time.time()
     stats = {
@@ -271,8 +269,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
         "end_time": end_time,
         "status_dict": dict(status_dict),
     }
-    with atomic_write(stats_url) as f:
-        f.write(json.dumps(stats, indent=4).encode("utf-8"))
+    write_bytes(stats_url, json.dumps(stats, indent=4).encode("utf-8"))
     return VideoShardReport(shard=shard, count=inputs.num_rows, successes=counts["success"],
                             failed_to_download=counts["failed_to_download"],
                             failed_to_subsample=counts["failed_to_subsample"], samples=tar.count,

@@ -13,7 +13,6 @@ report; then the outputs read back FROM S3 by the upstream loaders our users tra
 - shardprep's own loader with ``s3://`` URLs.
 """
 
-import json
 import os
 import pickle
 import signal
@@ -37,6 +36,7 @@ from shardprep.layout import Layout
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
+from tests.fixtures.s3_readback import write_msc_profile
 
 # DALLE2 pins pin_memory=True and energon's loader asks for it; on a CPU-only machine torch warns
 pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
@@ -218,11 +218,8 @@ def test_energon_loads_both_indexes_from_s3(s3_run, tmp_path, monkeypatch):
     from megatron.energon import Cooker, DefaultTaskEncoder, basic_sample_keys, stateless
 
     pytest.importorskip("boto3", reason="multi-storage-client's s3 provider needs boto3 (the test extra)")
-    profile = f"shardprep-s3-{uuid.uuid4().hex[:8]}"  # msc caches its clients by profile name
-    config = tmp_path / "msc.json"
-    config.write_text(json.dumps({"profiles": {profile: {"storage_provider": {
-        "type": "s3", "options": {"base_path": s3_run["server"].bucket}}}}}))
-    monkeypatch.setenv("MSC_CONFIG", str(config))
+    profile, config = write_msc_profile(s3_run["server"], tmp_path)
+    monkeypatch.setenv("MSC_CONFIG", config)
     layout, keys = s3_run["layout"], s3_run["keys"]
     success = sorted(k for shard_keys in keys.values() for k in shard_keys)
     bucket_path = layout.root.removeprefix(f"s3://{s3_run['server'].bucket}/")
