@@ -82,11 +82,16 @@ class DatasetConfig(BaseModel):
     max_image_pixels: PositiveInt = 89_478_485  # PIL's decompression-bomb threshold
     allow_private_addresses: Flag = False
     user_agent: Text = "shardprep/0.1 (+https://github.com/shardprep)"
+    # video rows (video_shards): a second source of parquet files, each file's shards are video shards
+    # (WebVid: video_url_col contentUrl, video_caption_col name); null: an image-only dataset
+    video_source: Text | None = Field(None, description="a parquet file, folder or glob (like 'source'), or null")
+    video_url_col: Text = "url"
+    video_caption_col: Text | None = Field("caption", description="a column name or null (no captions)")
     # videos (shardprep/video_shards.py), the options of video2dataset's subsamplers under its names:
     # video_size + video_resize_mode its ResolutionSubsampler (null size: keep it), video_frame_rate its
     # FrameSubsampler (null: the source's average rate), video_clip_* its ClippingSubsampler (max_length,
-    # min_length, max_length_strategy; spans from video_clip_col, else the whole video). url_col and
-    # caption_col name the columns (WebVid: contentUrl, name). Every video is decoded and re-encoded.
+    # min_length, max_length_strategy; spans from video_clip_col, else the whole video). Every video is
+    # decoded and re-encoded.
     video_size: Annotated[int, Field(gt=0)] | None = Field(None, description="a positive integer or null (keep)")
     video_resize_mode: Literal["scale", "crop", "pad", "scale,crop", "scale,pad", "crop,pad", "scale,crop,pad"] = Field(
         "scale,crop,pad", description="scale, crop, pad or a comma-separated combination in that order")
@@ -129,6 +134,13 @@ class DatasetConfig(BaseModel):
     # 8x autoencoder downsampling, then DiT's 2x2 patches (shardprep/diffusion.py)
     diffusion_resolution: int = Field(512, gt=0, multiple_of=16, description="a positive multiple of 16")
     nemo_batch_size: PositiveInt = 16
+    # video diffusion samples (shardprep/video_diffusion.py): a causal video autoencoder (cosmos:<dir> of
+    # NVIDIA's TorchScript tokenizer, or a diffusers AutoencoderKLCosmos / AutoencoderKLWan folder); clips
+    # are cut to video_diffusion_frames at most (then to 1 + k * its temporal compression) and resized
+    # so the shorter side is video_diffusion_resolution (both sides multiples of 16)
+    video_autoencoder: Text = "nvidia/Cosmos-1.0-Diffusion-7B-Text2World/vae"
+    video_diffusion_frames: PositiveInt = 33
+    video_diffusion_resolution: int = Field(256, gt=0, multiple_of=16, description="a positive multiple of 16")
     energon_split_ratio: tuple[Share, Share, Share] = Field(  # train, val, test
         (0.9, 0.1, 0.0), description="a list of three non-negative finite numbers [train, val, test], not all zero")
 

@@ -32,6 +32,20 @@ class Layout:
     def shard_stats(self, shard: str) -> str:
         return self._join("images", f"{shard}_stats.json")
 
+    # video_shards: video2dataset's webdataset layout
+    @property
+    def videos_dir(self) -> str:
+        return self._join("videos")
+
+    def video_tar(self, shard: str) -> str:
+        return self._join("videos", f"{shard}.tar")
+
+    def video_parquet(self, shard: str) -> str:
+        return self._join("videos", f"{shard}.parquet")
+
+    def video_stats(self, shard: str) -> str:
+        return self._join("videos", f"{shard}_stats.json")
+
     # clip_embeddings: clip-retrieval's inference layout
     @property
     def embeddings_dir(self) -> str:
@@ -106,6 +120,7 @@ class Layout:
         return {
             "source_parquet": lambda: [self.source_parquet(shard)],
             "image_shards": lambda: [self.tar(shard), self.shard_parquet(shard), self.shard_stats(shard)],
+            "video_shards": lambda: [self.video_tar(shard), self.video_parquet(shard), self.video_stats(shard)],
             "clip_embeddings": lambda: [self.img_emb(shard), self.text_emb(shard), self.emb_metadata(shard)],
             "reordered_embeddings": lambda: [self.reordered_img(shard), self.reordered_text(shard)],
             "diffusion_samples": lambda: [self.diffusion_tar(shard)],

@@ -93,9 +93,9 @@ def input_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
     cols = [(c, c) for c in cfg.save_additional_columns]
     if cfg.video_clip_col is not None:
         cols.append((cfg.video_clip_col, "clips"))
-    if cfg.caption_col is not None:
-        cols.append((cfg.caption_col, "caption"))
-    cols.append((cfg.url_col, "url"))
+    if cfg.video_caption_col is not None:
+        cols.append((cfg.video_caption_col, "caption"))
+    cols.append((cfg.video_url_col, "url"))
     return cols
 
 
@@ -187,7 +187,7 @@ def _check_inputs(table: pa.Table, columns: list[tuple[str, str]], shard: str, c
     missing = [src for src, _ in columns if src not in table.column_names]
     if missing:
         raise ValueError(f"shard {shard}: input rows lack column(s) {missing}; they have {table.column_names} "
-                         "(check url_col/caption_col/video_clip_col/save_additional_columns)")
+                         "(check video_url_col/video_caption_col/video_clip_col/save_additional_columns)")
     clashes = sorted(set(cfg.save_additional_columns) & set(JSON_FIELDS))
     if clashes:
         raise ValueError(f"shard {shard}: save_additional_columns {clashes} would be overwritten by the video "
@@ -248,7 +248,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                         rows[name].append(sample[name])
                     members: dict[str, bytes | str] = {cfg.video_encode_format: data,
                                                        "json": json.dumps(sample, indent=4, default=str)}
-                    if cfg.caption_col is not None:
+                    if cfg.video_caption_col is not None:
                         caption = values["caption"][i]
                         members["txt"] = str(caption) if caption is not None else ""
                     tar.add(sample["key"], members)

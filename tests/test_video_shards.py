@@ -71,8 +71,8 @@ def _clip_source(base: str) -> pa.Table:
 
 
 def _cfg(tmp_path, **kw):
-    fields = {"source": str(tmp_path / "src"), "output_root": str(tmp_path / "out"), "url_col": "contentUrl",
-              "caption_col": "name", "save_additional_columns": ["videoid"], "samples_per_shard": SPP,
+    fields = {"source": str(tmp_path / "src"), "output_root": str(tmp_path / "out"), "video_url_col": "contentUrl",
+              "video_caption_col": "name", "save_additional_columns": ["videoid"], "samples_per_shard": SPP,
               "timeout": TIMEOUT, "retries": 0, "video_thread_count": 4, "allow_private_addresses": True,
               "max_video_bytes": MAX_BYTES, "max_video_pixels": MAX_PIXELS}
     fields.update(kw)
