@@ -6,6 +6,7 @@ from assets.diffusion import diffusion_samples
 from assets.images import image_shards
 from assets.nemo import GLOBAL_AUTOMATION
 from assets.shard_runs import versioned
+from assets.video_diffusion import video_diffusion_samples
 from resources.dataset import DatasetResource
 from shardprep.energon import find_tars, update_energon_index
 from shardprep.storage import exists
@@ -57,7 +58,8 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
 
 
 @dg.asset(
-    deps=[dg.AssetDep(diffusion_samples, partition_mapping=dg.AllPartitionMapping())],
+    deps=[dg.AssetDep(diffusion_samples, partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep(video_diffusion_samples, partition_mapping=dg.AllPartitionMapping())],
     group_name="energon",
     kinds={"sqlite", "yaml"},
     automation_condition=GLOBAL_AUTOMATION,
@@ -65,7 +67,8 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
 )
 def diffusion_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.MaterializeResult:
     """``<root>/diffusion/.nv-meta/``: a ``CrudeWebdataset`` energon dataset over the diffusion sample tars,
-    for NeMo's ``DiffusionDataModule`` (a val split whenever the ratio asks for one)."""
+    image and video shards' alike, for NeMo's ``DiffusionDataModule`` (a val split whenever the ratio
+    asks for one)."""
     cfg, layout = dataset.config, dataset.layout
     if not exists(layout.diffusion_dir) or not find_tars(layout.diffusion_dir):
         return versioned(dataset, "diffusion_energon_index", dg.MaterializeResult(

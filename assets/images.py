@@ -1,6 +1,7 @@
 """image_shards: downloaded, resized images as img2dataset-layout webdataset tars."""
 
 import json
+from typing import Callable
 
 import dagster as dg
 
@@ -40,16 +41,17 @@ def _stats_metadata(stats: dict, tar_url: str, tar_bytes: int) -> dict:
     }
 
 
-def _contact_sheet_metadata(layout: Layout, key: str, rebuild: bool) -> dict:
-    """The shard's contact sheet (``<root>/previews/{shard}.png``, made when missing) inlined in the
-    metadata as a markdown image, so the UI shows it on the partition's page. A preview that cannot be
-    made is reported, never a failed shard."""
+def contact_sheet_metadata(layout: Layout, key: str, rebuild: bool,
+                           make: Callable[[str], bytes] = contact_sheet, tar_url: str | None = None) -> dict:
+    """The shard's contact sheet (``<root>/previews/{shard}.png``, made from ``tar_url`` by ``make`` when
+    missing) inlined in the metadata as a markdown image, so the UI shows it on the partition's page. A
+    preview that cannot be made is reported, never a failed shard."""
     out = layout.contact_sheet(key)
     try:
         if exists(out) and not rebuild:
             png = read_bytes(out)
         else:
-            png = contact_sheet(layout.tar(key))
+            png = make(tar_url or layout.tar(key))
             with atomic_write(out) as f:
                 f.write(png)
         uri, _ = inline_image(png)
@@ -80,7 +82,7 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
         stats = json.loads(read_bytes(layout.shard_stats(key)))
         fs, path = url_to_fs(layout.tar(key))
         tar_bytes = fs.size(path) if fs.exists(path) else 0
-        sheet = _contact_sheet_metadata(layout, key, rebuild=False) if tar_bytes else {}
+        sheet = contact_sheet_metadata(layout, key, rebuild=False) if tar_bytes else {}
         return {**_stats_metadata(stats, layout.tar(key), tar_bytes), **sheet}
 
     def download(key: str) -> dict:
@@ -89,7 +91,7 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
         stats = json.loads(read_bytes(layout.shard_stats(key)))
         context.log.info(f"shard {key}: {report.successes}/{report.count} images in {report.seconds:.1f}s")
         if report.tar_written:
-            sheet = _contact_sheet_metadata(layout, key, rebuild=True)
+            sheet = contact_sheet_metadata(layout, key, rebuild=True)
         else:  # a rebuilt shard without successes: an older preview would show images it no longer has
             sheet = {}
             remove(layout.contact_sheet(key))

@@ -5,6 +5,7 @@ import dagster as dg
 from assets.embeddings import clip_embeddings
 from assets.images import image_shards
 from assets.shard_runs import failures_table, versioned
+from assets.videos import video_shards
 from resources.dataset import DatasetResource
 from shardprep.report import write_report
 
@@ -17,6 +18,7 @@ def _summary_markdown(totals: dict, html_path: str) -> str:
 
 @dg.asset(
     deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep(video_shards, partition_mapping=dg.AllPartitionMapping()),
           dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping())],
     group_name="reports",
     kinds={"html"},
@@ -25,7 +27,8 @@ def _summary_markdown(totals: dict, html_path: str) -> str:
 )
 def dataset_report(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.MaterializeResult:
     """``<root>/report/index.html``: a self-contained page with the success rate per shard, failures
-    by reason, original image sizes, caption lengths, CLIP embedding norms and a per-shard table."""
+    by reason, original image sizes, caption lengths, CLIP embedding norms and a per-shard table; with
+    video shards, their videos, clips and clip durations."""
     layout = dataset.layout
     data = write_report(layout, cfg=dataset.config)  # broken outputs listed as `shardprep verify` finds them
     totals = data.totals
@@ -33,6 +36,9 @@ def dataset_report(context: dg.AssetExecutionContext, dataset: DatasetResource) 
         context.log.warning(problem)
     context.log.info(f"report over {totals['shards']} shards written to {layout.report_html}")
     metadata = {k: v for k, v in totals.items() if v is not None}
+    if data.videos:  # clip counts and durations beside the image figures
+        metadata.update({k if k.startswith(("video", "clip")) else f"video_{k}": v
+                         for k, v in data.video_totals.items()})
     return versioned(dataset, "dataset_report", dg.MaterializeResult(metadata={
         **metadata,
         "report": dg.MetadataValue.path(layout.report_html),

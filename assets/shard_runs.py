@@ -17,6 +17,8 @@ from assets.partitions import shard_partitions
 from resources.dataset import DatasetResource
 from shardprep.checks import CheckOutcome
 from shardprep.devices import Device, lease
+from shardprep.layout import ARTIFACT_MEDIA
+from shardprep.ledger import shard_media
 from shardprep.storage import lock
 from shardprep.verify import file_sizes
 from shardprep.versions import stamped_version, write_stamp
@@ -65,6 +67,8 @@ def shard_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
 
 
 def _check_result(name: str, outcomes: dict[str, CheckOutcome]) -> dg.AssetCheckResult:
+    if not outcomes:  # every shard of the run is of the other media: nothing to check
+        return dg.AssetCheckResult(check_name=name, passed=True, description="not applicable (no shard of this kind)")
     if len(outcomes) == 1:
         (o,) = outcomes.values()
         return dg.AssetCheckResult(check_name=name, passed=o.passed, description=o.description,
@@ -95,6 +99,10 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     version (``shardprep.versions``: a stamp written after the outputs says so), then the asset's
     check, then report. ``describe(shard)``: metadata of outputs found complete (default: none).
 
+    An artifact made from one media only (``layout.ARTIFACT_MEDIA``: image_shards from image shards,
+    video_shards from video shards) materializes a shard of the other kind with nothing written (status
+    "not applicable"), so every partition of the one shard partition set is complete for every asset.
+
     A failing shard does not stop the others (their outputs are written and will be found complete on
     a re-run); the step fails at the end naming every failed shard.
     """
@@ -103,7 +111,12 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
+    media = ARTIFACT_MEDIA.get(artifact)
+    kinds = shard_media(layout, keys) if media is not None else {}
     for key in keys:
+        if kinds.get(key, media) != media:
+            results[key] = {"status": f"not applicable ({kinds[key]} shard)", "media": kinds[key]}
+            continue
         try:
             # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
             # finds the outputs complete (local roots; on object stores Dagster's queue keeps them apart)
@@ -129,7 +142,8 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             + "; ".join(f"{k}: {v}" for k, v in list(failures.items())[:10]),
             metadata={"failed_shards": dg.MetadataValue.json(failures)},
         )
-    checks = [_check_result(check[0], {k: check[1](k) for k in keys})] if check else None
+    checks = [_check_result(check[0], {k: check[1](k) for k in keys if kinds.get(k, media) == media})] \
+        if check else None
     if len(keys) == 1:
         return dg.MaterializeResult(metadata={**results[keys[0]], "version": version, **worker_metadata()},
                                     check_results=checks, data_version=dg.DataVersion(version))

@@ -40,7 +40,7 @@ def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,
             raise SourceError(f"source file {shard.source}: shard {key} should hold rows "
                               f"[{shard.row_start}, {shard.row_stop}) but the file now has fewer rows; "
                               "it changed after registration")
-        for field_name, col in required_columns(cfg):
+        for field_name, col in required_columns(cfg, shard.media):
             if col not in table.column_names:
                 raise SourceError(f"source file {shard.source}: column {col!r} (config field "
                                   f"'{field_name}') is missing")

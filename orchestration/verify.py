@@ -75,15 +75,16 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
     cfg = load_config(config_path)
     layout, versions = Layout(cfg.output_root), artifact_versions(cfg)
     ledger = load_ledger(layout)
-    rows = {s.key: s.rows for s in ledger.shards()} if ledger else {}
+    shard_of = {s.key: s for s in ledger.shards()} if ledger else {}
     graph = build_defs(config_path).resolve_asset_graph()
     report = VerifyReport(marked=mark)
     with ThreadPoolExecutor(THREADS, thread_name_prefix="shardprep-verify") as pool:
         for key in graph.toposorted_asset_keys:
             node, name = graph.get(key), key.path[-1]
             if node.partitions_def is not None:
-                shards = sorted(current_partitions(instance, key, versions.get(name)) & rows.keys())
-                found = pool.map(lambda s, n=name: verify_shard(layout, cfg, n, s, rows[s]), shards)
+                shards = sorted(current_partitions(instance, key, versions.get(name)) & shard_of.keys())
+                found = pool.map(lambda s, n=name: verify_shard(layout, cfg, n, s, shard_of[s].rows,
+                                                                 media=shard_of[s].media), shards)
                 report.problems += [Problem(name, s, msg) for s, f in zip(shards, found) for msg in f.problems]
                 report.checked[name] = len(shards)
             elif latest_version(instance, key) is not None:

@@ -1,9 +1,11 @@
-"""NeMo encoders (T5, image autoencoders, CLIP text) as a resource; each model loads once per process."""
+"""NeMo encoders (T5, image and video autoencoders, CLIP text) as a resource; each model loads once per
+process."""
 
 import dagster as dg
 
 from resources.dataset import DatasetResource
 from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder, T5TextEncoder
+from shardprep.video_latents import VideoAutoencoder
 
 
 class NemoEncoders(dg.ConfigurableResource):
@@ -21,6 +23,10 @@ class NemoEncoders(dg.ConfigurableResource):
     def diffusion_autoencoder(self, device: str | None = None) -> ImageAutoencoder:
         cfg = self.dataset.config
         return ImageAutoencoder(cfg.diffusion_autoencoder, device=device or cfg.device)
+
+    def video_autoencoder(self, device: str | None = None) -> VideoAutoencoder:
+        cfg = self.dataset.config
+        return VideoAutoencoder(cfg.video_autoencoder, device=device or cfg.device)
 
     def sd_autoencoder(self, device: str | None = None) -> ImageAutoencoder:
         cfg = self.dataset.config

@@ -7,7 +7,7 @@ import dagster as dg
 from assets import shard_partitions, source_parquet
 from resources.dataset import DatasetResource
 from shardprep.ledger import SourceChangedError, load_ledger, register_sources
-from shardprep.sources import SourceError, file_fingerprint, list_source_files
+from shardprep.sources import SourceError, file_fingerprint, list_all_source_files
 
 MAX_PARTITION_ADDS_PER_TICK = 25_000  # Dagster's limit per sensor evaluation
 
@@ -20,7 +20,7 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     cfg = dataset.config
     cursor = json.loads(context.cursor) if context.cursor else {}
     try:
-        files = list_source_files(cfg.source)
+        files = list_all_source_files(cfg)  # {url: media}, images and videos
     except SourceError as e:
         return dg.SkipReason(str(e))
     # the cursor remembers what was already reported, so each problem is logged once, not every tick
@@ -36,7 +36,7 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     # time: 30,000 times a tick for LAION); one at a time otherwise, so a bad file holds back no other
     batch = [u for u in todo if u not in bad]
     try:
-        register_sources(cfg, source_files=batch, config_path=dataset.config_path)
+        register_sources(cfg, source_files={u: files[u] for u in batch}, config_path=dataset.config_path)
         for url in batch:
             changed.pop(url, None)
         todo = [u for u in todo if u in bad]
@@ -45,7 +45,7 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     errors, rewritten = [], []
     for url in todo:
         try:
-            register_sources(cfg, source_files=[url], config_path=dataset.config_path)
+            register_sources(cfg, source_files={url: files[url]}, config_path=dataset.config_path)
             bad.pop(url, None)
             changed.pop(url, None)
         except SourceChangedError as e:

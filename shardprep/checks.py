@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardprep.layout import Layout
-from shardprep.verify import Findings, verify_clip_embeddings, verify_image_shard, verify_reordered_embeddings
+from shardprep.verify import (
+    Findings,
+    verify_clip_embeddings,
+    verify_image_shard,
+    verify_reordered_embeddings,
+    verify_video_shard,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,12 @@ def check_image_shard(layout: Layout, shard: str) -> CheckOutcome:
     """The tar holds exactly the parquet's successful samples (and no tar when there are none)."""
     f = verify_image_shard(layout, shard)
     return _outcome(shard, f, f"{f.facts.get('tar_samples', 0)} samples match the parquet")
+
+
+def check_video_shard(layout: Layout, shard: str) -> CheckOutcome:
+    """The video tar holds exactly the parquet's successful clips (and no tar when there are none)."""
+    f = verify_video_shard(layout, shard)
+    return _outcome(shard, f, f"{f.facts.get('tar_samples', 0)} clips match the parquet")
 
 
 def check_clip_embeddings(layout: Layout, shard: str, enable_text: bool = True) -> CheckOutcome:

@@ -45,7 +45,8 @@ class DatasetConfig(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True)
 
     # where the data comes from and goes to (any fsspec URL; a glob for the source)
-    source: Text
+    source: Text | None = Field(..., description="a parquet file, folder or glob of image rows, or null "
+                                                  "(a video-only dataset: set video_source)")
     output_root: Text
     # how to reach them, by fsspec protocol (e.g. s3: endpoint_url, key, secret): applied to the whole
     # process when the config loads (shardprep.storage.configure); not shown, it may hold a secret
@@ -274,6 +275,9 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
         cfg = DatasetConfig(**raw)
     except ConfigError as e:  # every line names the file
         raise ConfigError("\n".join(f"{origin}: {line}" for line in str(e).splitlines())) from None
+    if cfg.source is None and cfg.video_source is None:
+        raise ConfigError(f"{origin}: config fields 'source' (image rows) and 'video_source' (video rows) are "
+                          "both null; set one or both")
     storage.configure(cfg.storage_options)  # before anything under source or output_root is touched
     return cfg
 
@@ -293,7 +297,7 @@ def load_config(path: str) -> DatasetConfig:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if isinstance(raw, dict) and "://" not in path:
         base = os.path.dirname(os.path.abspath(path))
-        for k in ("source", "output_root"):
+        for k in ("source", "video_source", "output_root"):
             v = raw.get(k)
             if isinstance(v, str) and v and "://" not in v and not os.path.isabs(v):
                 raw[k] = os.path.normpath(os.path.join(base, v))

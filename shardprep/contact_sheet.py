@@ -1,5 +1,6 @@
-"""A contact sheet of one image shard: the first images of the tar as a thumbnail grid, each with its
-caption underneath, so a shard can be eyeballed from the Dagster UI without opening the tar."""
+"""A contact sheet of one shard: for an image shard the first images of the tar as a thumbnail grid,
+each with its caption underneath; for a video shard a strip of frames per clip, with its caption and
+duration. A shard can be eyeballed from the Dagster UI without opening the tar."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import base64
 import contextlib
 import functools
 import io
+import json
 import math
 import re
 import string
@@ -17,6 +19,9 @@ from shardprep.errors import ShardprepError
 from shardprep.tars import TarReadError, iter_samples
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+VIDEO_EXTENSIONS = ("mp4", "webm")
+STRIP_FRAMES = 6
+MAX_STRIP_DECODE = 600  # frames decoded per clip at most (clips are short; a long one shows its start)
 COLUMNS = 6
 CAPTION_LINES = 2
 LINE_HEIGHT = 12
@@ -162,6 +167,73 @@ def contact_sheet(tar_url: str, max_images: int = 24, thumb: int = 96) -> bytes:
             draw.text((x0 + 2, y0 + thumb // 2 - 5), f"{key}: unreadable", fill=(160, 0, 0), font=font)
         for j, line in enumerate(_fit(draw, caption or key, font, thumb, CAPTION_LINES)):
             draw.text((x0, y0 + thumb + PAD + j * LINE_HEIGHT), line, fill=TEXT, font=font)
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def _frames(data: bytes, n: int) -> list[Image.Image]:
+    """``n`` evenly spaced frames of an encoded clip (fewer if it has fewer), as RGB images."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_image() for _, f in zip(range(MAX_STRIP_DECODE), container.decode(video=0))]
+    if len(frames) <= n:
+        return frames
+    return [frames[round(i * (len(frames) - 1) / (n - 1))] for i in range(n)] if n > 1 else frames[:1]
+
+
+def _label(sample: dict) -> str:
+    caption = sample.get("txt", b"").decode("utf-8", errors="replace")
+    try:
+        duration = float(json.loads(sample.get("json", b"{}")).get("duration") or 0.0)
+    except (ValueError, TypeError, AttributeError):
+        duration = 0.0
+    return f"{sample['__key__']} ({duration:.1f} s) {caption}"
+
+
+def video_contact_sheet(tar_url: str, max_clips: int = 12, frames: int = STRIP_FRAMES, thumb: int = 64) -> bytes:
+    """PNG bytes: a row per clip (the first ``max_clips`` of the video2dataset-layout tar at ``tar_url``)
+    with its key, duration and caption above ``frames`` evenly spaced frames (``thumb`` pixels, aspect
+    kept). A clip that cannot be decoded gets a grey row saying so, not an error."""
+    if max_clips < 1 or frames < 1 or thumb < 8:
+        raise ValueError(f"video contact sheet: max_clips and frames must be >= 1 and thumb >= 8, got "
+                         f"{max_clips}, {frames}, {thumb}")
+    clips: list[tuple[bytes, str]] = []
+    try:
+        with contextlib.closing(iter_samples(tar_url)) as samples:
+            for sample in samples:
+                data = next((sample[e] for e in VIDEO_EXTENSIONS if e in sample), None)
+                if data is not None:
+                    clips.append((data, _label(sample)))
+                if len(clips) >= max_clips:
+                    break
+    except (OSError, TarReadError) as e:
+        raise ContactSheetError(f"shard tar {tar_url}: cannot be read ({type(e).__name__}: {e})") from e
+    if not clips:
+        raise ContactSheetError(f"shard tar {tar_url}: holds no video sample")
+    row_h = LINE_HEIGHT + PAD + thumb + PAD
+    width = frames * (thumb + PAD) + PAD
+    sheet = Image.new("RGB", (width, len(clips) * row_h + PAD), BACKGROUND)
+    draw = ImageDraw.Draw(sheet)
+    font = _font()
+    for i, (data, label) in enumerate(clips):
+        y0 = i * row_h + PAD
+        draw.text((PAD, y0), _cut(draw, label, font, width - 2 * PAD, ellipsis=False), fill=TEXT, font=font)
+        y1 = y0 + LINE_HEIGHT + PAD
+        try:
+            strip = _frames(data, frames)
+        except Exception:  # noqa: BLE001 - a preview shows a clip it cannot decode, it never fails on it
+            strip = []
+        if not strip:
+            sheet.paste(CELL_BACKGROUND, (PAD, y1, width - PAD, y1 + thumb))
+            draw.text((2 * PAD, y1 + thumb // 2 - 5), "undecodable clip", fill=(160, 0, 0), font=font)
+        for j, img in enumerate(strip):
+            x0 = PAD + j * (thumb + PAD)
+            sheet.paste(CELL_BACKGROUND, (x0, y1, x0 + thumb, y1 + thumb))
+            scale = thumb / max(img.width, img.height)
+            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.LANCZOS)
+            sheet.paste(img, (x0 + (thumb - img.width) // 2, y1 + (thumb - img.height) // 2))
     buf = io.BytesIO()
     sheet.save(buf, format="PNG", optimize=True)
     return buf.getvalue()

@@ -2,6 +2,16 @@
 
 from dataclasses import dataclass
 
+# per-shard artifacts made only from shards of one media (the ledger's, by source); source_parquet is
+# made for every shard
+ARTIFACT_MEDIA = {"image_shards": "image", "clip_embeddings": "image", "reordered_embeddings": "image",
+                  "diffusion_samples": "image", "video_shards": "video", "video_diffusion_samples": "video"}
+
+
+def applies(artifact: str, media: str) -> bool:
+    """Whether ``artifact`` makes outputs for a shard of ``media`` ("image" or "video")."""
+    return ARTIFACT_MEDIA.get(artifact, media) == media
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -124,6 +134,7 @@ class Layout:
             "clip_embeddings": lambda: [self.img_emb(shard), self.text_emb(shard), self.emb_metadata(shard)],
             "reordered_embeddings": lambda: [self.reordered_img(shard), self.reordered_text(shard)],
             "diffusion_samples": lambda: [self.diffusion_tar(shard)],
+            "video_diffusion_samples": lambda: [self.diffusion_tar(shard)],
         }[artifact]()
 
     # bookkeeping: which version each finished output was made with (shardprep.versions)

@@ -13,7 +13,8 @@ Format, version 2 (version 1 ledgers are read and converted; the next write is v
                 "rows": 25000,                                # rows registered (the file's count then)
                 "columns": ["url", "caption", ...],
                 "digest": {"column": "url", "head_rows": 1000, "last_row": 24999, "sha256": "..."} | null,
-                "segments": [{"first_shard": 0, "num_shards": 3, "row_start": 0, "row_stop": 25000}, ...]}]}
+                "segments": [{"first_shard": 0, "num_shards": 3, "row_start": 0, "row_stop": 25000}, ...],
+                "media": "video"}]}                           # only for files of video_source (else images)
 
 Shard ``first_shard + i`` of a segment holds rows ``[a, min(a + samples_per_shard, row_stop))`` with
 ``a = min(row_start + i * samples_per_shard, row_stop)``: every shard is full but a segment's last,
@@ -43,7 +44,15 @@ from shardprep.config import DatasetConfig
 from shardprep.errors import ShardprepError
 from shardprep.keys import shard_key
 from shardprep.layout import Layout
-from shardprep.sources import SourceError, SourceInfo, file_fingerprint, inspect_source, list_source_files, read_rows
+from shardprep.sources import (
+    SourceError,
+    SourceInfo,
+    file_fingerprint,
+    inspect_source,
+    list_all_source_files,
+    read_rows,
+    url_column,
+)
 from shardprep.storage import exists, lock, open_read, read_bytes, remove, url_to_fs, write_bytes
 
 LEDGER_VERSION = 2
@@ -80,6 +89,7 @@ class Shard:
     source: str
     row_start: int
     row_stop: int
+    media: str = "image"  # "video" for the shards of video_source files
 
     @property
     def rows(self) -> int:
@@ -99,28 +109,32 @@ class Ledger:
     oom_shard_count: int
     files: list[dict] = field(default_factory=list)
     read_version: int = field(default=LEDGER_VERSION, compare=False)  # as read (version 1 is rewritten)
-    # key -> (shard id, source, row_start, row_stop) in id order, built on first use: shard(key) is a
-    # dict lookup (LAION: 580,000 shards); tuples, as a frozen dataclass each costs several times more
-    _index: dict[str, tuple[int, str, int, int]] | None = field(default=None, init=False, repr=False,
-                                                               compare=False)
+    # key -> (shard id, source, row_start, row_stop, media) in id order, built on first use: shard(key) is
+    # a dict lookup (LAION: 580,000 shards); tuples, as a frozen dataclass each costs several times more
+    _index: dict[str, tuple[int, str, int, int, str]] | None = field(default=None, init=False, repr=False,
+                                                                    compare=False)
 
     def reindex(self) -> None:
         """Call after changing ``files``."""
         self._index = None
 
-    def _by_key(self) -> dict[str, tuple[int, str, int, int]]:
+    def _by_key(self) -> dict[str, tuple[int, str, int, int, str]]:
         if self._index is None:
-            rows = sorted((sid, f["source"], start, stop) for f in self.files for seg in f["segments"]
+            rows = sorted((sid, f["source"], start, stop, media_of(f)) for f in self.files for seg in f["segments"]
                           for sid, start, stop in _segment_rows(seg, self.samples_per_shard))
             self._index = {shard_key(r[0], self.oom_shard_count): r for r in rows}
         return self._index
 
-    def _shard(self, key: str, row: tuple[int, str, int, int]) -> Shard:
-        return Shard(row[0], key, row[1], row[2], row[3])
+    def _shard(self, key: str, row: tuple[int, str, int, int, str]) -> Shard:
+        return Shard(row[0], key, row[1], row[2], row[3], row[4])
 
     def file_shards(self, entry: dict) -> list[Shard]:
-        return [Shard(sid, shard_key(sid, self.oom_shard_count), entry["source"], start, stop)
+        return [Shard(sid, shard_key(sid, self.oom_shard_count), entry["source"], start, stop, media_of(entry))
                 for seg in entry["segments"] for sid, start, stop in _segment_rows(seg, self.samples_per_shard)]
+
+    def media(self, key: str) -> str:
+        """"image" or "video": what the shard's rows point at (its source file's kind)."""
+        return self.shard(key).media
 
     @property
     def next_shard_id(self) -> int:
@@ -176,6 +190,20 @@ class ReshardResult:
 
 
 # ---------------------------------------------------------------- reading and writing the ledger
+
+
+def media_of(entry: dict) -> str:
+    # entries written before video sources existed are image files
+    return entry.get("media", "image")
+
+
+def shard_media(layout: Layout, keys: list[str]) -> dict[str, str]:
+    """``{key: "image" | "video"}`` for ``keys``. A ledger without video files answers without building
+    its shard index (a LAION-size ledger has 580,000 shards)."""
+    ledger = load_ledger(layout)
+    if ledger is None or all(media_of(f) == "image" for f in ledger.files):
+        return dict.fromkeys(keys, "image")
+    return {k: ledger.media(k) for k in keys}
 
 
 def _file_from_v1(f: dict) -> dict:
@@ -283,47 +311,53 @@ def _extend(entry: dict, info: SourceInfo, first_shard: int, cfg: DatasetConfig)
         entry["segments"].append({"first_shard": first_shard, "num_shards": n, "row_start": old,
                                   "row_stop": info.rows})
     entry.update(fingerprint=info.fingerprint, rows=info.rows, columns=list(info.columns),
-                 digest=source_digest(info.url, info.rows, cfg.url_col))
+                 digest=source_digest(info.url, info.rows, url_column(cfg, media_of(entry))))
     return [shard_key(first_shard + i, cfg.oom_shard_count) for i in range(n)]
 
 
 # ---------------------------------------------------------------- registering and re-sharding
 
 
-def register_sources(cfg: DatasetConfig, source_files: list[str] | None = None, *,
+def register_sources(cfg: DatasetConfig, source_files: dict[str, str] | None = None, *,
                      config_path: str | None = None) -> Registration:
     """Give shard ids to source files not yet in the ledger, and to rows appended to registered ones.
+    ``source_files``: ``{url: "image" | "video"}`` (default: every file ``source`` and ``video_source``
+    name, ``sources.list_all_source_files``).
 
     Every file is checked first: if one is bad (unreadable, a column missing, rewritten or shrunk
     since registration: SourceChangedError), the ledger is left as it was and the error names the
     file. ``config_path`` goes into the re-shard command such an error shows."""
     layout = Layout(cfg.output_root)
-    files = list_source_files(cfg.source) if source_files is None else source_files
+    files = list_all_source_files(cfg) if source_files is None else source_files
     with lock(layout.root, "ledger"):
         ledger = _open_ledger(cfg, layout)
         known = {f["source"]: f for f in ledger.files}
         grown: list[tuple[dict, SourceInfo]] = []
         fresh = []
-        for url in files:
+        for url, media in files.items():
             entry = known.get(url)
             if entry is None:
-                fresh.append(url)
+                fresh.append((url, media))
+            elif media_of(entry) != media:
+                raise LedgerError(f"source file {url} was registered as {media_of(entry)} rows and is now named "
+                                  f"as {media} rows ('source' is images, 'video_source' videos); a shard's "
+                                  "kind never changes: use a new output_root or move the file back")
             elif file_fingerprint(url) != entry["fingerprint"]:  # unchanged files cost one info call
-                info = inspect_source(url, cfg)
+                info = inspect_source(url, cfg, media)
                 change = _find_change(ledger, entry, info, layout)
                 if change:
                     raise SourceChangedError(url, change, info.fingerprint, config_path)
                 grown.append((entry, info))
-        infos = [inspect_source(u, cfg) for u in fresh]  # raises before any write
+        infos = [(inspect_source(u, cfg, media), media) for u, media in fresh]  # raises before any write
 
         next_id, new_keys, appended, empty = ledger.next_shard_id, [], [], []
         for entry, info in grown:
             keys = _extend(entry, info, next_id, cfg)
             appended += [info.url] if keys else []
             new_keys, next_id = new_keys + keys, next_id + len(keys)
-        for info in infos:
+        for info, media in infos:
             entry = {"source": info.url, "fingerprint": info.fingerprint, "rows": 0, "columns": list(info.columns),
-                     "digest": None, "segments": []}
+                     "digest": None, "segments": [], **({"media": media} if media != "image" else {})}
             ledger.files.append(entry)
             keys = _extend(entry, info, next_id, cfg)
             empty += [] if keys else [info.url]
@@ -367,7 +401,7 @@ def reshard_source(cfg: DatasetConfig, url: str, *,
         if entry is None:
             raise LedgerError(f"source file {url} is not in the ledger {layout.ledger}: only registered files "
                               "can be re-sharded (`shardprep run` registers new ones)")
-        info = inspect_source(url, cfg)
+        info = inspect_source(url, cfg, media_of(entry))
         before, rows_before = ledger.file_shards(entry), entry["rows"]
         _clamp(entry, info.rows)
         invalidated, emptied = [], []
@@ -386,4 +420,5 @@ def reshard_source(cfg: DatasetConfig, url: str, *,
 
 
 __all__ = ["Ledger", "LedgerError", "Registration", "ReshardResult", "Shard", "SourceChangedError", "SourceError",
-           "load_ledger", "register_sources", "reshard_command", "reshard_source", "source_digest"]
+           "load_ledger", "media_of", "register_sources", "reshard_command", "reshard_source", "shard_media",
+           "source_digest"]

@@ -1,6 +1,6 @@
 """The dataset report: one self-contained HTML page (``<root>/report/index.html``) with what the shards
 hold: success rate per shard, failures by reason, original image sizes, caption lengths, CLIP
-embedding norms, and a summary table.
+embedding norms, and a summary table; for video shards, videos, clips and clip durations.
 
 Counts (samples, successes, failures by reason) are exact: they come from every shard's
 ``_stats.json``. The distributions read at most ``rows_per_shard`` evenly spaced rows of each shard's
@@ -23,13 +23,14 @@ import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
 from shardprep.layout import Layout
-from shardprep.ledger import load_ledger
+from shardprep.ledger import load_ledger, shard_media
 from shardprep.storage import atomic_write, read_npy, url_to_fs
 from shardprep.verify import verify_shard
 from shardprep.versions import stamped_version
+from shardprep.video_summary import clip_jsons
 
 ROWS_PER_SHARD = 2000
-REPORTED_ARTIFACTS = ("image_shards", "clip_embeddings", "reordered_embeddings")
+REPORTED_ARTIFACTS = ("image_shards", "video_shards", "clip_embeddings", "reordered_embeddings")
 PARQUET_COLUMNS = ("status", "original_width", "original_height", "caption")
 
 
@@ -51,6 +52,21 @@ class ShardFigures:
 
 
 @dataclass
+class VideoShardFigures:
+    shard: str
+    processed: bool = False  # video_shards wrote its stats
+    count: int = 0  # input rows (videos)
+    successes: int = 0
+    failed_to_download: int = 0
+    failed_to_subsample: int = 0
+    clips: int = 0
+    clip_seconds: float = 0.0
+    frames: int = 0
+    seconds: float = 0.0
+    tar_bytes: int = 0
+
+
+@dataclass
 class ReportData:
     root: str
     shards: list[ShardFigures]
@@ -63,6 +79,30 @@ class ReportData:
     parquet_rows_read: int = 0
     rows_per_shard: int = ROWS_PER_SHARD
     problems: list[str] = field(default_factory=list)  # unreadable files, named
+    videos: list[VideoShardFigures] = field(default_factory=list)  # the video shards (``shards``: image ones)
+    clip_durations: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def video_totals(self) -> dict:
+        done = [v for v in self.videos if v.processed]
+        count, seconds = sum(v.count for v in done), sum(v.seconds for v in done)
+        clips = sum(v.clips for v in done)
+        d = self.clip_durations
+        return {
+            "video_shards": len(self.videos),
+            "video_shards_processed": len(done),
+            "videos": count,
+            "video_successes": sum(v.successes for v in done),
+            "failed_to_download": sum(v.failed_to_download for v in done),
+            "failed_to_subsample": sum(v.failed_to_subsample for v in done),
+            "clips": clips,
+            "clip_seconds": round(sum(v.clip_seconds for v in done), 3),
+            "clip_seconds_min": round(float(d.min()), 3) if d.size else 0.0,
+            "clip_seconds_max": round(float(d.max()), 3) if d.size else 0.0,
+            "frames": sum(v.frames for v in done),
+            "tar_bytes": sum(v.tar_bytes for v in done),
+            "clips_per_second": round(clips / seconds, 2) if seconds else 0.0,
+        }
 
     @property
     def totals(self) -> dict:
@@ -101,10 +141,17 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
     if shards is None:
         ledger = load_ledger(layout)
         shards = ledger.keys() if ledger is not None else []
+    media = shard_media(layout, shards)
     figures, reasons, problems = [], Counter(), []
+    videos, durations = [], []
     widths, heights, captions, norms = [], [], [], []
     dim, rows_read = None, 0
     for key in shards:
+        if media[key] == "video":
+            videos.append(_video_figures(layout, key, reasons, durations, problems))
+            if cfg is not None:
+                problems += _broken_outputs(layout, cfg, key, "video")
+            continue
         fig = ShardFigures(key)
         figures.append(fig)
         fs, stats_path = url_to_fs(layout.shard_stats(key))
@@ -160,14 +207,45 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
     widths_a, heights_a = cat(widths), cat(heights)
     keep = ~(np.isnan(widths_a) | np.isnan(heights_a)) if widths_a.size else np.zeros(0, dtype=bool)
     return ReportData(layout.root, figures, reasons, widths_a[keep], heights_a[keep], cat(captions), cat(norms),
-                      dim, rows_read, rows_per_shard, problems)
+                      dim, rows_read, rows_per_shard, problems, videos, np.asarray(durations, dtype=float))
 
 
-def _broken_outputs(layout: Layout, cfg: DatasetConfig, shard: str) -> list[str]:
+def _video_figures(layout: Layout, key: str, reasons: Counter, durations: list[float],
+                   problems: list[str]) -> VideoShardFigures:
+    """A video shard's counts from its ``_stats.json``, its clips' durations from the tar's json members."""
+    fig = VideoShardFigures(key)
+    fs, stats_path = url_to_fs(layout.video_stats(key))
+    if not fs.exists(stats_path):
+        return fig
+    try:
+        with fs.open(stats_path, "rb") as f:
+            stats = json.loads(f.read())
+        fig.count, fig.successes = int(stats["count"]), int(stats["successes"])
+        fig.failed_to_download = int(stats.get("failed_to_download", 0))
+        fig.failed_to_subsample = int(stats.get("failed_to_subsample", 0))
+        fig.seconds = float(stats.get("duration") or 0.0)
+        shard_reasons = {k: int(v) for k, v in stats.get("status_dict", {}).items() if k != "success"}
+        tar_fs, tar_path = url_to_fs(layout.video_tar(key))
+        if tar_fs.exists(tar_path):
+            fig.tar_bytes = tar_fs.size(tar_path)
+            clips = clip_jsons(layout.video_tar(key))
+            fig.clips = len(clips)
+            fig.frames = sum(int(c.get("num_frames") or 0) for c in clips)
+            shard_durations = [float(c.get("duration") or 0.0) for c in clips]
+            fig.clip_seconds = sum(shard_durations)
+            durations += shard_durations
+        reasons.update(shard_reasons)
+        fig.processed = True
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"shard {key}: {layout.video_stats(key)} or its tar: {type(e).__name__}: {e}")
+    return fig
+
+
+def _broken_outputs(layout: Layout, cfg: DatasetConfig, shard: str, media: str = "image") -> list[str]:
     out = []
     for artifact in REPORTED_ARTIFACTS:
         if stamped_version(layout, artifact, shard) is not None:  # finished: its outputs must be whole
-            found = verify_shard(layout, cfg, artifact, shard, read_tars=False)
+            found = verify_shard(layout, cfg, artifact, shard, read_tars=False, media=media)
             out += [f"shard {shard}: {artifact}: {p}" for p in found.problems]
     return out
 
@@ -325,8 +403,30 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
                                _fmt(s.tar_bytes)]))
         else:
             parts.append(_row([s.shard, "not processed", "", "", "", "", _fmt(s.embeddings), ""]))
-    parts += ["</table>", "</body></html>"]
+    parts.append("</table>")
+    if data.videos:
+        parts += _video_section(data)
+    parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _video_section(data: ReportData) -> list[str]:
+    png = _hist(data.clip_durations, "Clip duration", "seconds", "clips", bins=30)
+    parts = ["<h2>Videos</h2>", '<table id="video_summary">', _row(["", "value"], header=True),
+             *[_row([k.replace("_", " "), _fmt(v)]) for k, v in data.video_totals.items()], "</table>",
+             f'<figure id="clip_durations"><img src="data:image/png;base64,{png}" alt="Clip duration">'
+             "<figcaption>Clip duration (every clip)</figcaption></figure>",
+             '<table id="video_shards">',
+             _row(["shard", "videos", "successes", "failed to download", "failed to subsample", "clips",
+                   "clip seconds", "frames", "tar bytes"], header=True)]
+    for v in data.videos:
+        if v.processed:
+            parts.append(_row([v.shard, _fmt(v.count), _fmt(v.successes), _fmt(v.failed_to_download),
+                               _fmt(v.failed_to_subsample), _fmt(v.clips), _fmt(round(v.clip_seconds, 3)),
+                               _fmt(v.frames), _fmt(v.tar_bytes)]))
+        else:
+            parts.append(_row([v.shard, "not processed", "", "", "", "", "", "", ""]))
+    return [*parts, "</table>"]
 
 
 def write_report(layout: Layout, shards: list[str] | None = None,

@@ -72,15 +72,43 @@ def file_fingerprint(url: str) -> str:
         raise SourceError(f"source file {url}: not found") from None
 
 
-def required_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
-    cols = [("url_col", cfg.url_col)]
-    if cfg.caption_col:
-        cols.append(("caption_col", cfg.caption_col))
+def required_columns(cfg: DatasetConfig, media: str = "image") -> list[tuple[str, str]]:
+    """(config field, column) a source file of ``media`` ("image" or "video") must have."""
+    if media == "video":
+        cols = [("video_url_col", cfg.video_url_col)]
+        if cfg.video_caption_col:
+            cols.append(("video_caption_col", cfg.video_caption_col))
+        if cfg.video_clip_col:
+            cols.append(("video_clip_col", cfg.video_clip_col))
+    else:
+        cols = [("url_col", cfg.url_col)]
+        if cfg.caption_col:
+            cols.append(("caption_col", cfg.caption_col))
     cols += [("save_additional_columns", c) for c in cfg.save_additional_columns]
     return cols
 
 
-def inspect_source(url: str, cfg: DatasetConfig) -> SourceInfo:
+def url_column(cfg: DatasetConfig, media: str) -> str:
+    return cfg.video_url_col if media == "video" else cfg.url_col
+
+
+def list_all_source_files(cfg: DatasetConfig) -> dict[str, str]:
+    """``{file URL: media}`` of every file ``source`` (images) and ``video_source`` (videos) name, in
+    the order shards are given out: image files, then video files, each sorted. A file both name is an
+    error: its rows cannot be both."""
+    files: dict[str, str] = {}
+    for media, glob in (("image", cfg.source), ("video", cfg.video_source)):
+        if glob is None:
+            continue
+        for url in list_source_files(glob):
+            if files.get(url, media) != media:
+                raise SourceError(f"source file {url} is named by both 'source' (images) and 'video_source' "
+                                  "(videos); a file's rows are one or the other: narrow one of the globs")
+            files[url] = media
+    return files
+
+
+def inspect_source(url: str, cfg: DatasetConfig, media: str = "image") -> SourceInfo:
     """Read only the parquet footer: row count and schema, checked against the config's columns."""
     fs, path = url_to_fs(url)
     try:
@@ -93,7 +121,7 @@ def inspect_source(url: str, cfg: DatasetConfig) -> SourceInfo:
     except (pa.ArrowInvalid, OSError) as e:
         raise SourceError(f"source file {url}: not a readable parquet file ({e})") from None
     columns = tuple(schema.names)
-    for field_name, col in required_columns(cfg):
+    for field_name, col in required_columns(cfg, media):
         if col not in columns:
             raise SourceError(
                 f"source file {url}: column {col!r} (config field '{field_name}') is missing; "

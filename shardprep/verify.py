@@ -21,7 +21,7 @@ import numpy as np
 from shardprep import storage
 from shardprep.config import DatasetConfig
 from shardprep.keys import index_of_key
-from shardprep.layout import Layout
+from shardprep.layout import Layout, applies
 from shardprep.tars import header_samples, sample_keys
 from shardprep.versions import read_stamp
 
@@ -125,18 +125,33 @@ def verify_image_shard(layout: Layout, shard: str, rows: int | None = None, read
     """``{shard}.parquet`` (a row per input row), ``_stats.json`` and the tar holding exactly the
     parquet's successful samples (no tar when there are none), the tar read to its end
     (``read_tar=False``: only that it is there when it should be)."""
+    return _verify_webdataset_shard(layout.tar(shard), layout.shard_parquet(shard), layout.shard_stats(shard),
+                                    rows, read_tar, clips=False)
+
+
+def verify_video_shard(layout: Layout, shard: str, rows: int | None = None, read_tar: bool = True) -> Findings:
+    """As ``verify_image_shard``, for video2dataset's layout: a parquet row per sample written (a clip
+    each, ``{key}_{clip}``) and per failed input row, so every input row has at least one."""
+    return _verify_webdataset_shard(layout.video_tar(shard), layout.video_parquet(shard), layout.video_stats(shard),
+                                    rows, read_tar, clips=True)
+
+
+def _verify_webdataset_shard(tar: str, parquet: str, stats_url: str, rows: int | None, read_tar: bool,
+                             clips: bool) -> Findings:
     f = Findings()
-    stats = _read(f, layout.shard_stats(shard), lambda u: json.loads(storage.read_bytes(u)), "stats json")
-    table = _read(f, layout.shard_parquet(shard), lambda u: storage.read_parquet(u, ["key", "status"]), "parquet")
+    stats = _read(f, stats_url, lambda u: json.loads(storage.read_bytes(u)), "stats json")
+    table = _read(f, parquet, lambda u: storage.read_parquet(u, ["key", "status"]), "parquet")
     if table is None:
         return f
-    if rows is not None and table.num_rows != rows:
-        f.fail(layout.shard_parquet(shard), f"{table.num_rows} rows, the ledger gives the shard {rows}")
     cols = table.to_pydict()
+    # clips: a row's samples are keyed {row key}_{clip}; the stats count input rows
+    row_keys = {k.split("_", 1)[0] for k in cols["key"]} if clips else cols["key"]
+    if rows is not None and len(row_keys) != rows:
+        f.fail(parquet, f"{len(row_keys)} input rows, the ledger gives the shard {rows}")
     expected = sorted(k for k, s in zip(cols["key"], cols["status"]) if s == "success")
-    if isinstance(stats, dict) and stats.get("successes") != len(expected):
-        f.fail(layout.shard_stats(shard), f"says {stats.get('successes')} successes, the parquet {len(expected)}")
-    tar = layout.tar(shard)
+    successes = len({k.split("_", 1)[0] for k in expected}) if clips else len(expected)
+    if isinstance(stats, dict) and stats.get("successes") != successes:
+        f.fail(stats_url, f"says {stats.get('successes')} successes, the parquet {successes}")
     if not read_tar:
         if bool(expected) != storage.exists(tar):
             f.fail(tar, "missing" if expected else "exists, but the parquet has no success")
@@ -330,11 +345,14 @@ def verify_energon_index(dataset_dir: str) -> Findings:
 
 
 def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, rows: int | None = None,
-                 read_tars: bool = True) -> Findings:
+                 read_tars: bool = True, media: str = "image") -> Findings:
     """The cheap checks of ``artifact``'s outputs for ``shard``: the files its stamp recorded are all
     there at their recorded size, then the artifact's own checks (``read_tars=False``: no tar is read,
-    for the dataset report over thousands of shards)."""
+    for the dataset report over thousands of shards). A shard of a ``media`` the artifact does not
+    apply to (``layout.applies``) has nothing to check."""
     f = Findings()
+    if not applies(artifact, media):
+        return f
     stamp = read_stamp(layout, artifact, shard)
     if stamp:
         recorded_sizes(f, stamp.get("outputs", {}))
@@ -344,9 +362,11 @@ def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, 
     checks = {
         "source_parquet": lambda: verify_source_parquet(layout, shard, rows),
         "image_shards": lambda: verify_image_shard(layout, shard, rows, read_tar=read_tars),
+        "video_shards": lambda: verify_video_shard(layout, shard, rows, read_tar=read_tars),
         "clip_embeddings": lambda: verify_clip_embeddings(layout, shard, enable_text),
         "reordered_embeddings": lambda: verify_reordered_embeddings(layout, shard, rows),
         "diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
+        "video_diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
     }
     found = checks[artifact]()
     found.problems = f.problems + found.problems

@@ -43,7 +43,7 @@ _NOT_POSITIVE = [0, -1, "8", True, 8.0, None]
 _NOT_COUNT = [-1, "1", True, 1.5]  # for fields where 0 is fine
 # at least one wrong value for every field of DatasetConfig (test_every_field_has_bad_values keeps it so)
 BAD_VALUES = {
-    "source": _NOT_TEXT,
+    "source": ["", "  ", 5, ["a"]],  # null is allowed with a video_source (test_ledger)
     "output_root": _NOT_TEXT,
     "url_col": _NOT_TEXT,
     "caption_col": ["", "  ", 3, ["caption"]],
@@ -65,6 +65,12 @@ BAD_VALUES = {
     "max_image_pixels": _NOT_POSITIVE,
     "allow_private_addresses": _NOT_FLAG,
     "user_agent": _NOT_TEXT,
+    "video_source": ["", "  ", 5, ["a"]],
+    "video_url_col": _NOT_TEXT,
+    "video_caption_col": ["", "  ", 3, ["name"]],
+    "video_autoencoder": _NOT_TEXT,
+    "video_diffusion_frames": _NOT_POSITIVE,
+    "video_diffusion_resolution": [0, -16, 30, "32", True, 32.0, None],
     "video_size": [0, -1, "8", True, 8.0],
     "video_resize_mode": ["crop,scale", "border", "scale,", "", None, 1],
     "video_frame_rate": [0, -1, 241, "8", True, math.nan, math.inf],

@@ -322,3 +322,64 @@ def test_the_ledger_lock_is_storage_lock(tmp_path):
     assert ledger.shard("00003").source.endswith("b.parquet")
     with pytest.raises(LedgerError, match="shard '00009' is not in the ledger"):
         ledger.shard("00009")
+
+
+def _videos(path, n, start=0):
+    pq.write_table(pa.table({"contentUrl": [f"http://x/{i}.mp4" for i in range(start, start + n)],
+                             "name": [f"v{i}" for i in range(start, start + n)]}), str(path))
+
+
+def test_video_source_files_get_video_shards_in_the_same_id_sequence(tmp_path):
+    from shardprep.ledger import shard_media
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "vid").mkdir()
+    _parquet(tmp_path / "src" / "a.parquet", 15)
+    _videos(tmp_path / "vid" / "w.parquet", 12)
+    cfg = _cfg(tmp_path, video_source=str(tmp_path / "vid"), video_url_col="contentUrl", video_caption_col="name")
+    reg = register_sources(cfg)
+    assert reg.new_keys == ["00000", "00001", "00002", "00003"]
+    layout = Layout(cfg.output_root)
+    ledger = load_ledger(layout)
+    assert [ledger.media(k) for k in reg.new_keys] == ["image", "image", "video", "video"]
+    assert shard_media(layout, ["00001", "00003"]) == {"00001": "image", "00003": "video"}
+    # a ledger written before video sources existed has no "media": its files are image files
+    raw = json.loads((tmp_path / "out" / "ledger.json").read_text())
+    assert [f.get("media") for f in raw["files"]] == [None, "video"]
+
+    # rows appended to the video file become more video shards
+    _videos(tmp_path / "vid" / "w.parquet", 25)
+    assert register_sources(cfg).new_keys == ["00004", "00005"]  # 13 more rows, 10 a shard
+    assert load_ledger(layout).media("00005") == "video"
+
+
+def test_video_rows_are_checked_for_their_own_columns_and_a_file_is_one_kind(tmp_path):
+    (tmp_path / "src").mkdir()
+    _parquet(tmp_path / "src" / "a.parquet", 5)
+    # video rows need video_url_col: the images' url column does not count
+    cfg = _cfg(tmp_path, video_source=str(tmp_path / "src" / "a.parquet"))
+    with pytest.raises(SourceError, match="named by both 'source' .* and 'video_source'"):
+        register_sources(cfg)
+    (tmp_path / "vid").mkdir()
+    _parquet(tmp_path / "vid" / "v.parquet", 5)
+    with pytest.raises(SourceError, match=r"v.parquet: column 'contentUrl' \(config field 'video_url_col'\)"):
+        register_sources(_cfg(tmp_path, video_source=str(tmp_path / "vid"), video_url_col="contentUrl"))
+    assert not (tmp_path / "out" / "ledger.json").exists()  # nothing registered while a file is bad
+
+    # a registered image file later named as a video file: its shards' kind cannot change
+    register_sources(_cfg(tmp_path))
+    moved = _cfg(tmp_path, source=str(tmp_path / "vid"), video_source=str(tmp_path / "src"))
+    with pytest.raises(LedgerError, match="registered as image rows and is now named as video rows"):
+        register_sources(moved)
+
+
+def test_a_video_only_dataset_needs_no_image_source(tmp_path):
+    from shardprep.config import ConfigError
+
+    (tmp_path / "vid").mkdir()
+    _videos(tmp_path / "vid" / "w.parquet", 3)
+    cfg = _cfg(tmp_path, source=None, video_source=str(tmp_path / "vid"), video_url_col="contentUrl",
+               video_caption_col="name")
+    assert register_sources(cfg).new_keys == ["00000"]
+    with pytest.raises(ConfigError, match="'source' .* and 'video_source' .* are both null"):
+        _cfg(tmp_path, source=None)

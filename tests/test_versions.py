@@ -31,6 +31,10 @@ def test_versions_follow_the_fields_each_artifact_reads():
     assert changed(clip_model="open_clip:ViT-B-32/laion2b_s34b_b79k") == {
         "clip_embeddings", "reordered_embeddings", "dataset_report"}
     assert changed(diffusion_resolution=256) == {"diffusion_samples", "diffusion_energon_index"}
+    # a video setting makes only what is made from videos stale, never an image output
+    assert changed(video_size=360) == {"video_shards", "video_diffusion_samples", "diffusion_energon_index",
+                                       "dataset_report"}
+    assert changed(video_diffusion_frames=17) == {"video_diffusion_samples", "diffusion_energon_index"}
     assert changed(tar_chunk_size=500) == {"balanced_shards", "wdinfo", "precached_encodings"}
     assert changed(energon_split_ratio=[0.8, 0.2, 0.0]) == {"image_energon_index", "diffusion_energon_index"}
     # how fast, not what: nothing is stale
@@ -41,10 +45,9 @@ def test_versions_follow_the_fields_each_artifact_reads():
     read = {f for fields, _ in ARTIFACTS.values() for f in fields}
     speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
-                  "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion"}
-    # read by shardprep.video_shards, whose asset (and so its version) is not in the graph yet
-    video_engine = {f for f in config_from_dict(BASE).to_dict() if f.startswith(("video_", "max_video_"))}
-    assert read | speed_only | video_engine == set(config_from_dict(BASE).to_dict()), "classify the new config field"
+                  "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
+                  "video_thread_count", "video_decode_threads", "video_timeout"}
+    assert read | speed_only == set(config_from_dict(BASE).to_dict()), "classify the new config field"
 
 
 def _materializations(instance: dg.DagsterInstance) -> dict[str, int]:
