@@ -147,7 +147,7 @@ def _verify_webdataset_shard(tar: str, parquet: str, stats_url: str, rows: int |
     # clips: a row's samples are keyed {row key}_{clip}; the stats count input rows
     row_keys = {k.split("_", 1)[0] for k in cols["key"]} if clips else cols["key"]
     if rows is not None and len(row_keys) != rows:
-        f.fail(parquet, f"{len(row_keys)} input rows, the ledger gives the shard {rows}")
+        f.fail(parquet, f"{len(row_keys)} {'input rows' if clips else 'rows'}, the ledger gives the shard {rows}")
     expected = sorted(k for k, s in zip(cols["key"], cols["status"]) if s == "success")
     successes = len({k.split("_", 1)[0] for k in expected}) if clips else len(expected)
     if isinstance(stats, dict) and stats.get("successes") != successes:

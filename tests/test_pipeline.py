@@ -21,7 +21,9 @@ from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
 from tests.fixtures.live_dagster import prepare_home
 
-SHARD_ASSETS = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples"]
+# the video assets are materialized for every shard too ("not applicable": no video_source)
+SHARD_ASSETS = ["source_parquet", "image_shards", "video_shards", "clip_embeddings", "reordered_embeddings",
+                "diffusion_samples", "video_diffusion_samples"]
 GLOBAL_ASSETS = ["balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",
                  "dataset_report"]
 

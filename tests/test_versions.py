@@ -92,7 +92,9 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
         assert second.materialized["diffusion_samples"] == 2 and second.materialized["diffusion_energon_index"] == 1
         assert sorted(p.name for p in Path(layout.diffusion_dir).glob("*.tar")) == ["00000.tar", "00001.tar"]
         redone = _redone(before, _materializations(instance))
-        assert set(redone) == {"diffusion_samples", "diffusion_energon_index", "balanced_shards", "wdinfo",
+        # video_diffusion_samples: enabled too, materialized as not applicable (no video shard)
+        assert set(redone) == {"diffusion_samples", "video_diffusion_samples", "diffusion_energon_index",
+                               "balanced_shards", "wdinfo",
                                "precached_encodings", "image_energon_index", "dataset_report"}
         assert redone["diffusion_samples"] == 2
         # (the global run re-evaluates every unpartitioned asset; they are incremental and do no work)
