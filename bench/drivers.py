@@ -298,6 +298,78 @@ def clip_gpu(s: dict) -> dict:
     return run_gpu(s)
 
 
+# --------------------------------------------------------------------------------------------
+# video shards: download, cut into clips, re-encode
+
+
+def _ours_video_shard(args) -> dict:
+    parquet, offset, length, shard_id, cfg_dict = args
+    import pyarrow.parquet as pq
+
+    from shardprep.config import config_from_dict
+    from shardprep.video_shards import write_video_shard
+
+    cfg = config_from_dict(cfg_dict)
+    r = write_video_shard(pq.read_table(parquet).slice(offset, length), shard_id, cfg, cfg.output_root)
+    return {"successes": r.successes, "failed_to_download": r.failed_to_download,
+            "failed_to_subsample": r.failed_to_subsample, "clips": r.samples}
+
+
+def video_ours(s: dict) -> dict:
+    """``write_video_shard`` per shard, the shards in ``processes`` processes (as `shardprep run` puts
+    shards in parallel in the download pool)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    _fresh(s["out"])
+    n, spp = pq.read_metadata(s["parquet"]).num_rows, s["samples_per_shard"]
+    cfg = {"source": s["parquet"], "output_root": s["out"], "video_source": s["parquet"], "video_url_col": "contentUrl",
+           "video_caption_col": "name", "save_additional_columns": ["videoid"], "samples_per_shard": spp,
+           "video_clip_col": "clips", "video_clip_length": s["clip_length"], "video_preset": s["preset"],
+           "video_crf": s["crf"], "video_thread_count": s["threads"], "timeout": s["timeout"],
+           "allow_private_addresses": True}
+    jobs = [(s["parquet"], off, min(spp, n - off), k, cfg) for k, off in enumerate(range(0, n, spp))]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(s["processes"], mp_context=mp.get_context("fork")) as pool:
+        reports = list(pool.map(_ours_video_shard, jobs))
+    out = {k: sum(r[k] for r in reports) for k in reports[0]}
+    out["work_seconds"] = time.perf_counter() - t0
+    return out
+
+
+def video_video2dataset(s: dict) -> dict:
+    """video2dataset 1.3.0 (its own venv, tests/fixtures/video2dataset_oracle.py) with its
+    ClippingSubsampler at ``precision: exact`` (re-encoded by its ffmpeg, cut at exact times)."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from tests.fixtures import video2dataset_oracle as oracle
+
+    _fresh(s["out"])
+    clipping = {"ClippingSubsampler": {"args": {"max_length": s["clip_length"], "min_length": 0.0,
+                                                "precision": "exact"}}}
+    config = oracle.v2d_config(samples_per_shard=s["samples_per_shard"], timeout=s["timeout"], subsampling=clipping,
+                               thread_count=s["threads"])
+    config["distribution"]["processes_count"] = s["processes"]
+    t0 = time.perf_counter()
+    done = oracle.run([dict(url_list=s["parquet"], output_folder=s["out"], output_format="webdataset",
+                            input_format="parquet", url_col="contentUrl", caption_col="name", clip_col="clips",
+                            save_additional_columns=["videoid"], config=config)], s["work"], timeout=3000)
+    work = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"video2dataset failed ({done.returncode}): {done.stderr[-2000:]}")
+    rows = [r for p in sorted(glob.glob(os.path.join(s["out"], "*.parquet")))
+            for r in pq.read_table(p, columns=["key", "status"]).to_pylist()]
+    ok = {r["key"].split("_")[0] for r in rows if r["status"] == "success"}
+    failed = {r["key"] for r in rows if r["status"] != "success"}
+    return {"successes": len(ok), "failed_to_download": sum(r["status"] == "failed_to_download" for r in rows),
+            "failed_to_subsample": sum(r["status"] == "failed_to_subsample" for r in rows),
+            "clips": sum(r["status"] == "success" for r in rows), "failed_rows": len(failed), "work_seconds": work}
+
+
 SIDES = {
     "images-ours": images_ours, "images-img2dataset": images_img2dataset,
     "clip-ours": clip_ours, "clip-clip-retrieval": clip_clip_retrieval,
@@ -305,6 +377,7 @@ SIDES = {
     "loader-ours": loader_ours, "loader-dalle2": loader_dalle2,
     "index-ours": index_ours, "index-energon": index_energon,
     "chain-ours": chain_ours, "chain-glue": chain_glue,
+    "video-ours": video_ours, "video-video2dataset": video_video2dataset,
 }
 
 

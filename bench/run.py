@@ -1,6 +1,6 @@
 """shardprep's throughput benchmarks against the peer tools, side by side (``make bench``).
 
-    python bench/run.py [--quick] [--only images,clip,loader,index,chain,queue,gpu] [--reps N] [--out bench/RESULTS.md]
+    python bench/run.py [--quick] [--only images,clip,loader,index,chain,queue,video,gpu] [--reps N] [--out bench/RESULTS.md]
 
 Pairs (same data, same settings, each side a fresh process, runs alternated A/B then B/A,
 medians over the repetitions, peak memory of the whole process tree):
@@ -21,6 +21,10 @@ medians over the repetitions, peak memory of the whole process tree):
   reordering's algorithm) and ``energon prepare`` (``bench/chain.py``).
 * ``queue``: the same multi-shard ``shardprep run`` through Dagster's run queue (shards in parallel)
   vs ``--in-process`` (one shard after the other): what the run queue buys on this machine.
+* ``video``: ``write_video_shard`` (one per shard, P processes) vs video2dataset 1.3.0 (P processes,
+  in its own venv) on the same WebVid-style parquet over served H.264 videos with motion, cut into
+  clips of at most 2 s and re-encoded at the same x264 preset and CRF (its ClippingSubsampler,
+  ``precision: exact``; its resolution and frame-rate subsamplers crash in 1.3.0).
 * ``gpu`` (only where CUDA is available): CLIP ViT-B/32- and ViT-L/14-sized random models,
   images/s end to end from tars and MFU (``bench/gpu.py``).
 
@@ -52,19 +56,19 @@ from measure import RunFailed, median, run_side  # noqa: E402
 from source import Server, make_index_tars, make_site, make_url_parquet  # noqa: E402
 
 WORK = os.path.join(HERE, "work")
-PAIRS = ("images", "clip", "loader", "index", "chain", "queue", "gpu")
+PAIRS = ("images", "clip", "loader", "index", "chain", "queue", "video", "gpu")
 
 MODES = {
     "full": dict(site_images=240, image_rows=600, image_shard=100, image_reps=3,
                  clip_copies=4, clip_reps=2, loader_copies=4, loader_reps=2,
                  index_tars=100, index_samples=300, index_reps=2, chain_rows=5_000, chain_shard=250, chain_reps=1,
-                 gpu_samples=20_000),
+                 video_files=30, video_seconds=6.0, video_shard=16, video_reps=1, gpu_samples=20_000),
     "quick": dict(site_images=120, image_rows=240, image_shard=60, image_reps=1,
                   clip_copies=1, clip_reps=1, loader_copies=1, loader_reps=1,
                   index_tars=100, index_samples=60, index_reps=1, chain_rows=1_000, chain_shard=100, chain_reps=1,
-                  gpu_samples=4_000),
+                  video_files=8, video_seconds=4.0, video_shard=5, video_reps=1, gpu_samples=4_000),
 }
-FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "queue": 1.0}
+FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "queue": 1.0, "video": 1.5}
 PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
 PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
             "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
@@ -310,6 +314,37 @@ def summarise_chain(runs: list) -> dict:
             "walls": [r["wall_seconds"] for r in res], "last": res[-1]}
 
 
+def pair_video(m: dict, log: str) -> dict:
+    """video_shards' engine vs video2dataset 1.3.0: the same WebVid-style parquet over the same served
+    videos, cut into clips of at most 2 s, re-encoded with x264 at the same preset and CRF."""
+    from video_source import make_video_parquet, make_video_site
+
+    names = make_video_site(os.path.join(WORK, "videos"), m["video_files"], m["video_seconds"])
+    server = Server(os.path.join(WORK, "videos"))
+    try:
+        parquet = os.path.join(WORK, "videos.parquet")
+        rows = make_video_parquet(parquet, server.url, names, m["video_seconds"])
+        # video2dataset's exact clipping re-encodes with its ffmpeg's libx264 defaults: preset medium, crf 23
+        common = dict(parquet=parquet, samples_per_shard=m["video_shard"], clip_length=2.0, preset="medium", crf=23,
+                      threads=8, timeout=60, processes=PROCESSES, work=WORK)
+        runs = run_pair(("video-ours", {**common, "out": os.path.join(WORK, "video-ours")}),
+                        ("video-video2dataset", {**common, "out": os.path.join(WORK, "video-v2d")}),
+                        m["video_reps"], log, timeout=3000)
+    finally:
+        server.close()
+    o, t = runs["ours"][-1].result, runs["theirs"][-1].result
+    # the same videos and clips succeed; the dead URLs are failed_to_download for us, failed_to_subsample
+    # for video2dataset (it saves the 404 page as the video, then cannot cut it)
+    failed = ("failed_to_download", "failed_to_subsample")
+    if (o["successes"], o["clips"], sum(o[k] for k in failed)) != (t["successes"], t["clips"], sum(t[k] for k in failed)):
+        raise Mismatch(f"video: status counts differ: ours {o} vs video2dataset {t}")
+    tar_mb = {side: sum(os.path.getsize(p) for p in glob.glob(os.path.join(WORK, d, "*.tar"))) / 1e6
+              for side, d in (("ours", "video-ours"), ("theirs", "video-v2d"))}
+    return {"runs": runs, "rows": rows, "tar_mb": tar_mb, "ours": summarise(runs["ours"], "clips"),
+            "theirs": summarise(runs["theirs"], "clips"), "settings": {**common, "videos": m["video_files"],
+                                                                      "seconds_each": m["video_seconds"]}}
+
+
 def pair_gpu(m: dict, log: str) -> dict:
     settings = {"work": os.path.join(WORK, "gpu"), "samples": m["gpu_samples"], "per_tar": 2_000}
     return run_side(["clip-gpu", "--json", json.dumps(settings)], log_path=log, timeout=1800).result
@@ -385,6 +420,19 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""],
                 ["", "orchestration overhead: 1 - (steps busy, union over runs) / wall", f"{overhead * 100:.0f}%",
                  "", "", "", ""]]
+    if name == "video":
+        ours_rate, their_rate = _rate(o["count"], o["wall"]), _rate(t["count"], t["wall"])
+        ratio = ours_rate / their_rate
+        mem_ok = o["peak_mib"] <= t["peak_mib"]
+        return [["video shards: download, clip, re-encode (vs video2dataset)", "clips/s, whole run",
+                 _fmt(ours_rate, 2), _fmt(their_rate, 2), f"{ratio:.2f}x", f">= {FLOORS['video']}x",
+                 "PASS" if ratio >= FLOORS["video"] else "FAIL"],
+                ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "<= 1.0x", "PASS" if mem_ok else "FAIL"],
+                ["", "clips per CPU-second, process tree", _fmt(_rate(o["count"], o["cpu"]), 2),
+                 _fmt(_rate(t["count"], t["cpu"]), 2), f"{t['cpu'] / o['cpu']:.2f}x", "", ""],
+                ["", "MB of clips written (same x264 preset and CRF)", _fmt(r["tar_mb"]["ours"]),
+                 _fmt(r["tar_mb"]["theirs"]), "", "", ""]]
     if name == "queue":
         ratio = t["wall"] / o["wall"]
         return [["multi-shard `shardprep run`: run queue (vs `--in-process`, one shard after the other)",
@@ -409,7 +457,7 @@ def write_results(path: str, mode: str, machine: dict, results: dict, errors: di
          "wall times carry noise; CPU seconds (user + system of the whole process tree) are given beside them",
          "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()), ""]
     L += ["## Results", "", "| pair | metric | shardprep | peer | ratio | floor | |", "|---|---|---|---|---|---|---|"]
-    for name in ("images", "clip", "loader", "index", "chain", "queue"):
+    for name in ("images", "clip", "loader", "index", "chain", "queue", "video"):
         if name in results:
             L += ["| " + " | ".join(row) + " |" for row in rows_for(name, results[name])]
         elif name in errors:
@@ -507,6 +555,23 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s", ""]
     if "chain" in results:
         L += _chain_details(results["chain"])
+    if "video" in results:
+        r = results["video"]
+        s, o, t = r["settings"], r["ours"], r["theirs"]
+        L += ["### video shards", "",
+              f"- source: {s['videos']} H.264 mp4 files of {s['seconds_each']:g} s (640x360, 24 fps, a textured scene "
+              "panning with a moving object; every tenth with AAC audio) served on 127.0.0.1, plus 2 URLs answering "
+              f"404: {r['rows']} WebVid-style rows (`contentUrl`, `name`, `videoid`, `clips` = one span per video), "
+              f"{s['samples_per_shard']} rows per shard",
+              f"- settings, both sides: clips of at most {s['clip_length']:g} s, re-encoded with x264 preset "
+              f"{s['preset']} CRF {s['crf']} at the source size and rate, {s['processes']} processes, {s['threads']} "
+              "download threads; video2dataset: `ClippingSubsampler(max_length, precision='exact')` (its ffmpeg's "
+              "libx264 defaults are preset medium, CRF 23; its ResolutionSubsampler and FrameSubsampler crash in 1.3.0); "
+              "ours: `write_video_shard` per shard in a pool of processes, every video decoded and re-encoded",
+              f"- whole process: shardprep {o['wall']:.1f} s, video2dataset {t['wall']:.1f} s (its imports of torch "
+              "and transformers included, as a user pays them); both write the same clips of the same videos; the "
+              "dead URLs are `failed_to_download` for us, `failed_to_subsample` for video2dataset (it saves the 404 "
+              "page as the video)", ""]
     L += ["### GPU", ""]
     if "gpu" in results:
         g = results["gpu"]
@@ -662,7 +727,8 @@ def main() -> int:
         steps = [("images", lambda: pair_images(m, site, server, log)), ("clip", lambda: pair_clip(m, log)),
                  ("loader", lambda: pair_loader(m, log)), ("index", lambda: pair_index(m, log)),
                  ("chain", lambda: pair_chain(m, site, server, log)),
-                 ("queue", lambda: pair_queue(m, site, server, log)), ("gpu", lambda: pair_gpu(m, log))]
+                 ("queue", lambda: pair_queue(m, site, server, log)), ("video", lambda: pair_video(m, log)),
+                 ("gpu", lambda: pair_gpu(m, log))]
         for name, fn in steps:
             if name not in wanted:
                 continue
