@@ -147,8 +147,30 @@ def load_defs(config_path: str | None) -> dg.Definitions:
         return defs
 
 
+def media_note(config_path: str) -> str:
+    """A line saying how many shards are image and video shards, when there are video shards (each
+    per-shard asset is materialized for both kinds; one of them only says "not applicable")."""
+    from shardprep.config import ConfigError, load_config
+    from shardprep.layout import ARTIFACT_MEDIA, Layout
+    from shardprep.ledger import load_ledger, media_of
+
+    try:
+        ledger = load_ledger(Layout(load_config(config_url(config_path)).output_root))
+    except (ConfigError, OSError):  # no dataset yet: the table says everything is missing
+        return ""
+    if ledger is None or all(media_of(f) == "image" for f in ledger.files):
+        return ""
+    kinds = [s.media for s in ledger.shards()]
+    only = {m: ", ".join(a for a, am in ARTIFACT_MEDIA.items() if am == m) for m in ("image", "video")}
+    return (f"shards: {kinds.count('image')} image, {kinds.count('video')} video. Image shards only: {only['image']}; "
+            f"video shards only: {only['video']} (the other kind is materialized as not applicable)")
+
+
 def status(config_path: str | None = None, instance: dg.DagsterInstance | None = None) -> str:
     from orchestration.instance import get_instance
+    from resources.settings import load_settings
 
     instance = instance or get_instance()
-    return format_status(asset_statuses(instance, load_defs(config_path)))
+    table = format_status(asset_statuses(instance, load_defs(config_path)))
+    note = media_note(config_path or load_settings().config)
+    return table + ("\n\n" + note if note else "")

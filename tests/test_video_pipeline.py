@@ -159,6 +159,10 @@ def test_images_and_videos_share_one_partition_set_and_one_energon_dataset(datas
     report = Path(layout.report_html).read_text()
     assert 'id="video_shards"' in report and 'id="clip_durations"' in report
     assert verify_dataset(config, instance, mark=False).ok
+    # `shardprep status` says which shards are which
+    from orchestration.status import status
+
+    assert status(config, instance).splitlines()[-1].startswith("shards: 2 image, 1 video. Image shards only: ")
 
 
 def test_a_rerun_does_nothing_and_a_video_setting_redoes_only_video_outputs(dataset, instance):
