@@ -1,0 +1,140 @@
+"""Aesthetic and NSFW scores from CLIP image embeddings, with the published heads in their published files.
+
+Every head reads the embedding as LAION's scorers do: upcast to float32 (clip-retrieval stores float16),
+then L2-normalised (``normalized()`` in the aesthetic predictor; the NSFW detectors were trained on
+clip-retrieval's normalised ``img_emb``). Heads, recognised by their state-dict keys:
+
+* ``aesthetic_v2``: christophschuhmann/improved-aesthetic-predictor's MLP
+  (``sac+logos+ava1-l14-linearMSE.pth``: ``layers.{0,2,4,6,7}``, 768 -> 1024 -> 128 -> 64 -> 16 -> 1
+  with no activation: its ReLUs are commented out); ``ava+logos-l14-reluMSE.pth`` (``layers.{0,3,6,9,11}``)
+  has a ReLU after each of the first four layers. Scores on a 1-10 rating scale, unbounded.
+* ``aesthetic_v1``: LAION-AI/aesthetic-predictor's single ``nn.Linear`` (``weight`` [1, d], ``bias``):
+  ``sa_0_4_vit_l_14_linear.pth`` (768) and ``sa_0_4_vit_b_32_linear.pth`` (512).
+* ``nsfw_l14``: NeMo Curator's torch port of LAION's Keras L/14 detector (``clip_autokeras_binary_nsfw.pth``:
+  ``norm.mean``/``norm.variance``, ``linear_1..4`` 768 -> 64 -> 512 -> 256 -> 1, ReLU, sigmoid):
+  a probability, 1 = unsafe (LAION's ``punsafe``).
+* ``nsfw_h14``: LAION's ``H14_NSFW_Detector`` (``h14_nsfw.pth``: ``layers.{0,3,6,9,12,15,16}``, 1024 -> ... -> 1,
+  ReLU + dropout between, no sigmoid: its raw output, as clip-retrieval's ``predict`` returns it).
+
+LAION's Keras SavedModel zips need TensorFlow and autokeras; they are refused with the name of the torch
+port to use. Files load with ``torch.load(weights_only=True)`` (``.pth``/``.pt``) or safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardprep.errors import ShardprepError
+
+KINDS = ("aesthetic_v2", "aesthetic_v1", "nsfw_l14", "nsfw_h14")
+
+
+class ScoreModelError(ShardprepError, ValueError):
+    """A score head's file cannot be read, is not a known head, or does not fit the embeddings."""
+
+
+@dataclass(frozen=True)
+class ScoreHead:
+    """One loaded head: ``kind``, the embedding width it reads, and its layers as float32 arrays
+    (``(weight [out, in], bias [out])`` each), evaluated with numpy: a few matrix products per batch
+    need no torch at scoring time."""
+
+    path: str
+    kind: str
+    dim: int
+    layers: tuple[tuple[np.ndarray, np.ndarray], ...]
+    relu: tuple[bool, ...] = ()  # after layer i
+    mean: np.ndarray | None = None  # nsfw_l14's normalisation
+    variance: np.ndarray | None = None
+    sigmoid: bool = False
+
+    def __call__(self, embeddings: np.ndarray) -> np.ndarray:
+        """Scores (float32 [N]) of embeddings ``[N, dim]`` (any float dtype; normalised here)."""
+        x = np.asarray(embeddings, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ScoreModelError(f"score head {self.path} ({self.kind}) reads {self.dim}-wide embeddings, got "
+                                  f"shape {tuple(x.shape)}: it was trained on another CLIP model's embeddings")
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        x = x / np.where(norms == 0, 1.0, norms)
+        if self.mean is not None:
+            x = (x - self.mean) / np.sqrt(self.variance)
+        for i, (w, b) in enumerate(self.layers):
+            x = x @ w.T + b
+            if i < len(self.relu) and self.relu[i]:
+                x = np.maximum(x, 0.0)
+        x = x[:, 0]
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32) if self.sigmoid else x.astype(np.float32)
+
+
+def _read_state(path: str) -> dict[str, np.ndarray]:
+    if not os.path.exists(path):
+        raise ScoreModelError(f"score head {path}: no such file (hubs are not reached at run time: download it)")
+    if path.endswith(".zip"):
+        raise ScoreModelError(f"score head {path}: a Keras SavedModel zip (needs TensorFlow and autokeras); use its "
+                              "torch port, e.g. NeMo Curator's clip_autokeras_binary_nsfw.pth")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import load_file
+
+            return dict(load_file(path))
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is named with its cause
+        raise ScoreModelError(f"score head {path}: cannot read it ({type(e).__name__}: {e})") from e
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ScoreModelError(f"score head {path}: holds a {type(state).__name__}, not a state dict")
+    return {k: v.float().numpy() for k, v in state.items() if hasattr(v, "float")}
+
+
+def _linear(state: dict[str, np.ndarray], prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    return state[f"{prefix}weight"], state[f"{prefix}bias"]
+
+
+def load_head(path: str) -> ScoreHead:
+    """The head in ``path``, its kind told by its keys (see the module docstring)."""
+    state = _read_state(path)
+    keys = set(state)
+
+    def indices(prefix: str) -> list[int]:
+        return sorted({int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.endswith(".weight")})
+
+    try:
+        if keys == {"weight", "bias"}:
+            layer = _linear(state, "")
+            kind, layers, relu = "aesthetic_v1", (layer,), ()
+        elif {"norm.mean", "norm.variance"} <= keys:
+            layers = tuple(_linear(state, f"linear_{i}.") for i in range(1, 5))
+            head = ScoreHead(path, "nsfw_l14", int(layers[0][0].shape[1]), layers, (True, True, True, False),
+                             state["norm.mean"].reshape(-1), state["norm.variance"].reshape(-1), sigmoid=True)
+            return _checked(head)
+        elif indices("layers.") in ([0, 2, 4, 6, 7], [0, 3, 6, 9, 11]):
+            idx = indices("layers.")
+            layers = tuple(_linear(state, f"layers.{i}.") for i in idx)
+            kind, relu = "aesthetic_v2", (True, True, True, True) if idx == [0, 3, 6, 9, 11] else ()
+        elif indices("layers.") == [0, 3, 6, 9, 12, 15, 16]:
+            layers = tuple(_linear(state, f"layers.{i}.") for i in (0, 3, 6, 9, 12, 15, 16))
+            kind, relu = "nsfw_h14", (True,) * 5  # after the first five; 128 -> 16 -> 1 have none
+        else:
+            raise ScoreModelError(f"score head {path}: keys {sorted(keys)[:8]} are none of the known heads ({', '.join(KINDS)})")
+    except KeyError as e:
+        raise ScoreModelError(f"score head {path}: missing {e} for its kind of head") from None
+    return _checked(ScoreHead(path, kind, int(layers[0][0].shape[1]), layers, relu))
+
+
+def _checked(head: ScoreHead) -> ScoreHead:
+    """Each layer feeds the next, the last gives one number."""
+    width = head.dim
+    for i, (w, b) in enumerate(head.layers):
+        if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
+            raise ScoreModelError(f"score head {head.path}: layer {i} is {tuple(w.shape)} + {tuple(b.shape)}, after a "
+                                  f"{width}-wide input")
+        width = w.shape[0]
+    if width != 1:
+        raise ScoreModelError(f"score head {head.path}: gives {width} numbers, not one score")
+    return head
