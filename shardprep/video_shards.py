@@ -36,7 +36,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from shardprep.config import DatasetConfig
-from shardprep.fetch import fetch, make_pool
+from shardprep.fetch import default_deadline, fetch, make_pool
 from shardprep.image_shards import ordered_map
 from shardprep.keys import compute_key, shard_key
 from shardprep.storage import join, remove, write_bytes, write_parquet
@@ -46,6 +46,7 @@ from shardprep.video_decode import VideoError
 from shardprep.video_encode import check_encoder
 
 STATUSES = ("success", "failed_to_download", "failed_to_subsample")
+MIN_VIDEO_BYTES_PER_SECOND = 2_000_000  # 200 MB (max_video_bytes' default) may take 100 s
 # fields of a sample's json besides the input columns: video2dataset's, then what the video is now and was
 JSON_FIELDS = ("key", "status", "error_message", "yt_meta_dict", "clips", "width", "height", "framerate",
                "num_frames", "duration", "original_width", "original_height", "original_framerate",
@@ -86,6 +87,13 @@ def video_spec(cfg: DatasetConfig, threads: int = 1) -> VideoSpec:
                      min_clip_length=cfg.video_min_clip_length, clip_strategy=cfg.video_clip_strategy,
                      encode_format=cfg.video_encode_format, crf=cfg.video_crf, preset=cfg.video_preset,
                      max_pixels=cfg.max_video_pixels, timeout=cfg.video_timeout, threads=threads)
+
+
+def download_deadline(cfg: DatasetConfig) -> float:
+    """Total seconds one video download may take: the images' bound (3 x timeout per attempt) plus the
+    time to receive ``max_video_bytes`` at ``MIN_VIDEO_BYTES_PER_SECOND``. A large video from a sound
+    server is not cut off; a server dripping bytes still frees the thread in bounded time."""
+    return default_deadline(cfg.timeout, cfg.retries) + cfg.max_video_bytes / MIN_VIDEO_BYTES_PER_SECOND
 
 
 def input_columns(cfg: DatasetConfig) -> list[tuple[str, str]]:
@@ -221,7 +229,8 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     work = partial(
         _process_row,
         download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_video_bytes, retries=cfg.retries,
-                         allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent),
+                         allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent,
+                         total_timeout=download_deadline(cfg)),
         spec=video_spec(cfg, ffmpeg_threads),
         slots=threading.BoundedSemaphore(n_slots),
     )

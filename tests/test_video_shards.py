@@ -446,3 +446,12 @@ def test_clips_match_video2dataset_clipping_subsampler(site, tmp_path, v2d):
     # same frames per clip (at other keyframe spacings its "low" precision moves the cuts; ours do not)
     for key in ("0000000_00000", "0000000_00001", "0000002_00000", "0000002_00001"):
         assert len(_decode(their_tar[key]["mp4"])[2]) == len(_decode(my_tar[key]["mp4"])[2]) == 24
+
+
+def test_a_video_download_gets_time_for_its_size(tmp_path):
+    from shardprep.fetch import default_deadline
+    from shardprep.video_shards import download_deadline
+
+    # images: 3 x timeout; a 200 MB video from a sound server needs more, a drip is still cut off in bounded time
+    cfg = _cfg(tmp_path, timeout=10.0, retries=0, max_video_bytes=200_000_000)
+    assert default_deadline(10.0) == 30.0 and download_deadline(cfg) == 30.0 + 100.0
