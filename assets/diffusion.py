@@ -4,16 +4,18 @@ import dagster as dg
 
 from assets.images import image_shards
 from assets.partitions import shard_partitions
+from assets.scores import image_scores
 from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.diffusion import write_diffusion_samples
+from shardprep.image_scores import read_scores
 from shardprep.storage import exists
 
 
 @dg.asset(
     partitions_def=shard_partitions,
-    deps=[image_shards],
+    deps=[image_shards, image_scores],
     group_name="nemo_diffusion",
     kinds={"webdataset", "pytorch"},
     **in_pool("gpu"),
@@ -22,7 +24,8 @@ from shardprep.storage import exists
 def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,
                       nemo: NemoEncoders) -> dg.MaterializeResult:
     """``<root>/diffusion/{shard}.tar`` with NeMo's diffusion members: ``{key}..pth`` (bf16 latent
-    ``[C, 1, h, w]``), ``{key}..pickle`` (float16 T5 states ``[L, d]``, no padding) and ``{key}..json``.
+    ``[C, 1, h, w]``), ``{key}..pickle`` (float16 T5 states ``[L, d]``, no padding) and ``{key}..json``
+    (its ``aesthetic_score`` from image_scores when an aesthetic head is configured, else the source's).
     NaN/Inf latents are recorded failures; a shard with no sample gets no tar."""
     cfg, layout = dataset.config, dataset.layout
 
@@ -31,7 +34,8 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
             return {"status": "no samples (shard has no tar)", "samples": 0}
         r = write_diffusion_samples(key, layout, nemo.t5(device.torch_device),
                                     nemo.diffusion_autoencoder(device.torch_device),
-                                    resolution=cfg.diffusion_resolution, batch_size=cfg.nemo_batch_size)
+                                    resolution=cfg.diffusion_resolution, batch_size=cfg.nemo_batch_size,
+                                    scores=read_scores(layout, key, ["aesthetic_score"]))
         reasons: dict[str, int] = {}
         for f in r.failures:
             reasons[f["reason"]] = reasons.get(f["reason"], 0) + 1

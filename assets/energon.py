@@ -4,17 +4,19 @@ import dagster as dg
 
 from assets.diffusion import diffusion_samples
 from assets.images import image_shards
-from assets.nemo import GLOBAL_AUTOMATION
-from assets.shard_runs import versioned
+from assets.selection import sample_selection
+from assets.shard_runs import GLOBAL_AUTOMATION, versioned
 from assets.video_diffusion import video_diffusion_samples
 from resources.dataset import DatasetResource
 from shardprep.energon import find_tars, update_energon_index
+from shardprep.selection import energon_excludes
 from shardprep.storage import exists
 
 
 def _index_metadata(report) -> dict:
     return {"tars": len(report.tars), "samples": report.total_samples,
             "scanned_tars": len(report.scanned_tars), "kept_tars": len(report.kept_tars),
+            "excluded_by_selection": report.excluded,
             "splits": dg.MetadataValue.json({k: len(v) for k, v in report.splits.items()}),
             "index_uuid": report.uuid, "path": dg.MetadataValue.path(report.dataset_dir)}
 
@@ -35,7 +37,7 @@ def _covers_spec(asset: str) -> dg.AssetCheckSpec:
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping())],
+    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()), sample_selection],
     group_name="energon",
     kinds={"sqlite", "yaml"},
     automation_condition=GLOBAL_AUTOMATION,
@@ -50,16 +52,18 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
         return versioned(dataset, "image_energon_index", dg.MaterializeResult(
             metadata={"status": "no image tars yet"},
             check_results=[_covers_every_tar(layout.images_dir, None)]))
+    tars = find_tars(layout.images_dir)
     report = update_energon_index(layout.images_dir, sample_type="captioning",
                                   field_map={"image": cfg.encode_format, "caption": "txt"},
-                                  split_ratio=cfg.energon_split_ratio)
+                                  split_ratio=cfg.energon_split_ratio, tars=tars,
+                                  exclude=energon_excludes(layout, tars))
     return versioned(dataset, "image_energon_index", dg.MaterializeResult(
         metadata=_index_metadata(report), check_results=[_covers_every_tar(layout.images_dir, report)]))
 
 
 @dg.asset(
     deps=[dg.AssetDep(diffusion_samples, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(video_diffusion_samples, partition_mapping=dg.AllPartitionMapping())],
+          dg.AssetDep(video_diffusion_samples, partition_mapping=dg.AllPartitionMapping()), sample_selection],
     group_name="energon",
     kinds={"sqlite", "yaml"},
     automation_condition=GLOBAL_AUTOMATION,
@@ -74,6 +78,8 @@ def diffusion_energon_index(context: dg.AssetExecutionContext, dataset: DatasetR
         return versioned(dataset, "diffusion_energon_index", dg.MaterializeResult(
             metadata={"status": "no diffusion tars yet"},
             check_results=[_covers_every_tar(layout.diffusion_dir, None)]))
-    report = update_energon_index(layout.diffusion_dir, sample_type="crude", split_ratio=cfg.energon_split_ratio)
+    tars = find_tars(layout.diffusion_dir)
+    report = update_energon_index(layout.diffusion_dir, sample_type="crude", split_ratio=cfg.energon_split_ratio,
+                                  tars=tars, exclude=energon_excludes(layout, tars))
     return versioned(dataset, "diffusion_energon_index", dg.MaterializeResult(
         metadata=_index_metadata(report), check_results=[_covers_every_tar(layout.diffusion_dir, report)]))

@@ -8,19 +8,18 @@ import pickle
 import dagster as dg
 
 from assets.images import image_shards
-from assets.shard_runs import gpu_device, in_pool, versioned
+from assets.selection import sample_selection
+from assets.shard_runs import GLOBAL_AUTOMATION, gpu_device, in_pool, versioned
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
 from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
 from shardprep.ledger import load_ledger
 from shardprep.precache import write_precached_encodings
+from shardprep.selection import active_rules, selected_keys
 from shardprep.storage import exists, read_bytes, remove_tree
 from shardprep.versions import stamped_version, write_stamp
 from shardprep.wdinfo import write_wdinfo
 
-# Global assets catch up on a schedule (or on demand from the UI); any newly finished shard is enough,
-# so a failed shard never holds them back.
-GLOBAL_AUTOMATION = dg.AutomationCondition.on_cron("*/10 * * * *")
 
 
 class BalancedConfig(dg.Config):
@@ -37,7 +36,7 @@ def _start_over_if_outdated(layout, folder: str, artifact: str, version: str) ->
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping())],
+    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()), sample_selection],
     group_name="nemo_text2img",
     kinds={"webdataset"},
     automation_condition=GLOBAL_AUTOMATION,
@@ -54,9 +53,13 @@ def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
     consumed = list(state.get("consumed", []))
     done = set(consumed)
     # shards in ledger order whose image step finished; an unfinished one is picked up by a later update
-    ready = [s for s in (ledger.keys() if ledger else []) if s not in done and exists(layout.shard_stats(s))]
+    # (and, with curation rules, selected: a shard without its selection yet waits)
+    selecting = bool(active_rules(cfg))
+    ready = [s for s in (ledger.keys() if ledger else []) if s not in done and exists(layout.shard_stats(s))
+             and (not selecting or not exists(layout.tar(s)) or exists(layout.selection(s)))]
     waiting = [s for s in (ledger.keys() if ledger else []) if s not in done and s not in ready]
-    r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final)
+    r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final,
+                               selected=(lambda shard: selected_keys(layout, shard)) if selecting else None)
     write_stamp(layout, "balanced_shards", version)
     return versioned(dataset, "balanced_shards", dg.MaterializeResult(metadata={
         "rebuilt_for_new_version": rebuilt, "version": version,

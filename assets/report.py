@@ -3,7 +3,10 @@
 import dagster as dg
 
 from assets.embeddings import clip_embeddings
+from assets.duplicates import duplicates
 from assets.images import image_shards
+from assets.scores import image_scores
+from assets.selection import sample_selection
 from assets.shard_runs import failures_table, versioned
 from assets.videos import video_shards
 from resources.dataset import DatasetResource
@@ -19,7 +22,8 @@ def _summary_markdown(totals: dict, html_path: str) -> str:
 @dg.asset(
     deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
           dg.AssetDep(video_shards, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping())],
+          dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep(image_scores, partition_mapping=dg.AllPartitionMapping()), duplicates, sample_selection],
     group_name="reports",
     kinds={"html"},
     # hourly, once shards or embeddings changed since the last tick (or on demand from the UI)

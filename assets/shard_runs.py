@@ -56,6 +56,10 @@ def failures_table(status_dict: dict[str, int]) -> dg.MetadataValue:
     return _table(rows or [{"reason": "(none)", "count": 0}])
 
 
+# Global assets catch up on a schedule (or on demand from the UI); any newly finished shard is enough,
+# so a failed shard never holds them back.
+GLOBAL_AUTOMATION = dg.AutomationCondition.on_cron("*/10 * * * *")
+
 # Per-shard assets follow their upstream shard, but never past a failed blocking check.
 SHARD_AUTOMATION = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
 
@@ -91,6 +95,11 @@ def worker_metadata() -> dict[str, Any]:
             "nemo_loads_by_worker": loads("shardprep.nemo_encoders")}
 
 
+def lock_name(artifact: str, key: str) -> str:
+    """The lock file that keeps writers of (``artifact``, shard ``key``) apart (one of LOCK_STRIPES)."""
+    return f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"
+
+
 def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResource, artifact: str,
                        write: Callable[[str], dict[str, Any]], *, rebuild: bool = False,
                        describe: Callable[[str], dict[str, Any]] | None = None,
@@ -120,7 +129,7 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
         try:
             # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
             # finds the outputs complete (local roots; on object stores Dagster's queue keeps them apart)
-            with lock(layout.root, f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"):
+            with lock(layout.root, lock_name(artifact, key)):
                 if not rebuild and stamped_version(layout, artifact, key) == version:
                     results[key] = {"status": "cached", **(describe(key) if describe else {})}
                 else:

@@ -161,10 +161,11 @@ def _validate_shards(shards: list[str], consumed: list[str]) -> None:
 
 
 def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 1000,
-                           final: bool = False) -> BalancedReport:
+                           final: bool = False, selected=None) -> BalancedReport:
     """Append the samples of the shards not consumed yet to the balanced tars.
 
     ``shards`` is the full ordered list (the previously consumed shards first, new ones appended).
+    ``selected(shard)``: the keys of the shard to use (``shardprep.selection``), None for all.
     Only the last partial tar is rewritten; complete tars are left byte-identical.
     """
     if chunk_size < 1:
@@ -207,7 +208,10 @@ def update_balanced_shards(layout: Layout, shards: list[str], chunk_size: int = 
 
     def samples() -> Iterator[dict]:
         for shard in present:
-            yield from _samples_in_key_order(layout.tar(shard))
+            keys = selected(shard) if selected is not None else None
+            for sample in _samples_in_key_order(layout.tar(shard)):
+                if keys is None or sample["__key__"] in keys:
+                    yield sample
 
     counts = state.counts[:n_complete_before]
     new_complete: list[str] = []

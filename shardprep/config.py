@@ -120,6 +120,28 @@ class DatasetConfig(BaseModel):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     batch_size: PositiveInt = 256
     enable_text: Flag = True
+    # curation scores of every image from its CLIP embedding (image_scores; shardprep/scores.py): a head file
+    # in its published format (local path, fsspec URL, or hub id read from the local Hugging Face cache),
+    # checked at load against clip_model's embedding width; null: not scored
+    aesthetic_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
+    nsfw_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
+    # LAION's watermark detector reads pixels, not embeddings: accepted, reported as not scored
+    watermark_model: Text | None = Field(None, description="a watermark model path or null")
+    # duplicates across every image shard (shardprep/dedup.py): exact (same sha256 of the downloaded bytes)
+    # and near (cosine of the CLIP image embeddings >= dedup_threshold; clip-retrieval's query-time dedup
+    # uses 0.94), the first arrival kept
+    dedup: Flag = False
+    dedup_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False, description="a cosine similarity in (0, 1]")
+    # curation rules (shardprep/selection.py): the samples the training outputs use (balanced tars, precache,
+    # both energon datasets, the loaders' selection option); unset: not applied. dedup: true drops duplicates.
+    aesthetic_min: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
+        None, description="a number (LAION-Aesthetics V2: 4.5 to 6.5; needs aesthetic_model) or null")
+    nsfw_max: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="a probability in [0, 1] (LAION: 0.5; needs nsfw_model) or null")
+    min_original_size: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="a positive number of pixels (both original sides at least it) or null")
+    caption_min_length: Annotated[int, Field(ge=0)] | None = Field(None, description="an integer >= 0 (characters) or null")
+    caption_max_length: Annotated[int, Field(gt=0)] | None = Field(None, description="a positive integer (characters) or null")
     # NeMo text2img: equal-size tars + wdinfo.pkl (reorganize_tar, generate_wdinfo), precached SD encodings
     enable_nemo_text2img: Flag = True
     tar_chunk_size: PositiveInt = 1000
@@ -279,7 +301,41 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
         raise ConfigError(f"{origin}: config fields 'source' (image rows) and 'video_source' (video rows) are "
                           "both null; set one or both")
     storage.configure(cfg.storage_options)  # before anything under source or output_root is touched
+    _check_score_heads(cfg, origin)
     return cfg
+
+
+# the head kinds (shardprep.scores) each score field takes
+SCORE_FIELDS = {"aesthetic_model": ("aesthetic_v2", "aesthetic_v1"), "nsfw_model": ("nsfw_l14", "nsfw_h14")}
+
+
+def _check_score_heads(cfg: DatasetConfig, origin: str) -> None:
+    """Each configured head is readable, of its field's kind, and reads clip_model's embeddings (an L/14
+    head on B/32 embeddings is refused here, not after the embeddings are made)."""
+    from shardprep.encoders import embedding_width
+    from shardprep.scores import ScoreModelError, load_head
+
+    problems = [f"config field '{rule}': needs '{field}' (the head whose score it reads)"
+                for rule, field in (("aesthetic_min", "aesthetic_model"), ("nsfw_max", "nsfw_model"))
+                if getattr(cfg, rule) is not None and getattr(cfg, field) is None]
+    for name, kinds in SCORE_FIELDS.items():
+        spec = getattr(cfg, name)
+        if spec is None:
+            continue
+        try:
+            head = load_head(spec)
+        except ScoreModelError as e:
+            problems.append(f"config field '{name}': {e}")
+            continue
+        width = embedding_width(cfg.clip_model)
+        if head.kind not in kinds:
+            problems.append(f"config field '{name}': {spec} is a {head.kind} head; allowed: {', '.join(kinds)}")
+        elif width is not None and head.dim != width:
+            problems.append(f"config field '{name}': {spec} ({head.kind}) reads {head.dim}-wide embeddings, but "
+                            f"clip_model {cfg.clip_model!r} makes {width}-wide ones: it was trained on another "
+                            "CLIP model")
+    if problems:
+        raise ConfigError("\n".join(f"{origin}: {line}" for line in problems))
 
 
 def load_config(path: str) -> DatasetConfig:

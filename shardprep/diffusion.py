@@ -9,8 +9,8 @@ members (note the double dot, as NeMo's ``ShardWriter`` keys ``".pth"`` etc. pro
 * ``{key}..pickle``: pickle of the numpy float16 T5 hidden states ``[L, d]``, L = the caption's real
   token count (no padding; the task encoder pads to 512);
 * ``{key}..json``: ``image_height``/``image_width`` (of the resized image fed to the autoencoder),
-  ``aesthetic_score`` (the sample json's ``aesthetic_score``/``AESTHETIC_SCORE``/``aesthetic`` field
-  when numeric, else 0.0 -- the task encoder raises KeyError without it and skips scores below its
+  ``aesthetic_score`` (the computed score of image_scores when given, else the sample json's
+  ``aesthetic_score``/``AESTHETIC_SCORE``/``aesthetic`` field when numeric, else 0.0 -- the task encoder raises KeyError without it and skips scores below its
   threshold, 0.0 by default), ``caption`` and ``source_key`` (the image key).
 
 Keys are the image keys (globally unique, as Megatron-Energon requires). A sample without a
@@ -114,10 +114,12 @@ def _pth_bytes(latent) -> bytes:
 
 
 def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae: "ImageAutoencoder",
-                            resolution: int = 256, batch_size: int = 16) -> DiffusionReport:
+                            resolution: int = 256, batch_size: int = 16,
+                            scores: dict[str, dict[str, float]] | None = None) -> DiffusionReport:
     """Encode every sample of ``layout.tar(shard)`` and write ``layout.diffusion_tar(shard)``.
 
     ``resolution`` must be a multiple of 16 (8x autoencoder downsampling, then DiT's 2x2 patches).
+    ``scores``: ``{key: {"aesthetic_score": x}}`` (``image_scores.read_scores``), used over the source's.
     A missing input tar, or no sample surviving, leaves no output tar (a stale one is removed).
     """
     import torch
@@ -146,7 +148,8 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
                 report.failures.append({"key": it["key"], "reason": problem})
                 continue
             meta = {"image_height": resolution, "image_width": resolution,
-                    "aesthetic_score": aesthetic_score(it["meta"]), "caption": it["caption"],
+                    "aesthetic_score": aesthetic_score({**it["meta"], **(scores or {}).get(it["key"], {})}),
+                    "caption": it["caption"],
                     "source_key": it["key"]}
             out.add(it["key"], {
                 ".json": json.dumps(meta),

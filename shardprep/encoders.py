@@ -338,3 +338,46 @@ def clear_encoder_cache() -> None:
     """Forget cached encoders (all_clip keeps its own lru_cache; this only resets ours)."""
     with _LOCK:
         _CACHE.clear()
+
+
+# Image embedding widths of clip-retrieval's OpenAI model names (clip-anytorch) and of open_clip's
+# common architectures, so a score head's width is checked at config load without loading CLIP
+_OPENAI_WIDTHS = {"RN50": 1024, "RN101": 512, "RN50x4": 640, "RN50x16": 768, "RN50x64": 1024, "ViT-B/32": 512,
+                  "ViT-B/16": 512, "ViT-L/14": 768, "ViT-L/14@336px": 768}
+
+
+def embedding_width(spec: str) -> int | None:
+    """The width of ``spec``'s image embeddings, read from its name or its config file (never its
+    weights), or None where neither tells (the width is then checked when the embeddings are read)."""
+    import json
+    import os
+
+    if spec in _OPENAI_WIDTHS:
+        return _OPENAI_WIDTHS[spec]
+    kind, _, name = spec.partition(":")
+    if kind == "open_clip":
+        try:
+            import open_clip
+
+            cfg = open_clip.get_model_config(name.split("/")[0])
+        except Exception:  # noqa: BLE001 - not installed or unknown: checked at run time
+            return None
+        return int(cfg["embed_dim"]) if cfg and "embed_dim" in cfg else None
+    if kind == "hf_clip":
+        path = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            try:  # a hub id: its config.json from the local cache, never the network
+                from huggingface_hub import try_to_load_from_cache
+
+                path = try_to_load_from_cache(name, "config.json")
+            except Exception:  # noqa: BLE001
+                return None
+            if not isinstance(path, str):
+                return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                width = json.load(f).get("projection_dim")
+        except (OSError, ValueError):
+            return None
+        return int(width) if isinstance(width, int) else None
+    return None

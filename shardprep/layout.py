@@ -5,6 +5,7 @@ from dataclasses import dataclass
 # per-shard artifacts made only from shards of one media (the ledger's, by source); source_parquet is
 # made for every shard
 ARTIFACT_MEDIA = {"image_shards": "image", "clip_embeddings": "image", "reordered_embeddings": "image",
+                  "image_scores": "image",
                   "diffusion_samples": "image", "video_shards": "video", "video_diffusion_samples": "video"}
 
 
@@ -85,6 +86,58 @@ class Layout:
     def reordered_text(self, shard: str) -> str:
         return self._join("embeddings_reordered", "text", f"text_emb_{shard}.npy")
 
+    # image_scores: curation scores per sample, from the embeddings
+    @property
+    def scores_dir(self) -> str:
+        return self._join("scores")
+
+    def scores(self, shard: str) -> str:
+        return self._join("scores", f"{shard}.parquet")
+
+    # duplicates: the dedup index and state (shardprep/dedup.py), keep masks per shard
+    @property
+    def dedup_dir(self) -> str:
+        return self._join("dedup")
+
+    @property
+    def dedup_state(self) -> str:
+        return self._join("dedup", "state.json")
+
+    @property
+    def dedup_index(self) -> str:
+        return self._join("dedup", "index.faiss")
+
+    @property
+    def dedup_db(self) -> str:
+        return self._join("dedup", "dedup.sqlite")
+
+    @property
+    def dedup_table(self) -> str:
+        return self._join("dedup", "duplicates.parquet")
+
+    @property
+    def dedup_shards_dir(self) -> str:
+        return self._join("dedup", "shards")
+
+    def dedup_shard(self, shard: str) -> str:
+        return self._join("dedup", "shards", f"{shard}.parquet")
+
+    # sample_selection: the samples the training outputs use (shardprep/selection.py)
+    @property
+    def selection_dir(self) -> str:
+        return self._join("selection")
+
+    def selection(self, shard: str) -> str:
+        return self._join("selection", f"{shard}.parquet")
+
+    @property
+    def selection_state(self) -> str:
+        return self._join("selection", "state.json")
+
+    @property
+    def selection_summary(self) -> str:
+        return self._join("selection", "summary.json")
+
     # NeMo text2img: equal-size tars (reorganize_tar), wdinfo.pkl, precached encodings
     @property
     def balanced_dir(self) -> str:
@@ -133,6 +186,7 @@ class Layout:
             "video_shards": lambda: [self.video_tar(shard), self.video_parquet(shard), self.video_stats(shard)],
             "clip_embeddings": lambda: [self.img_emb(shard), self.text_emb(shard), self.emb_metadata(shard)],
             "reordered_embeddings": lambda: [self.reordered_img(shard), self.reordered_text(shard)],
+            "image_scores": lambda: [self.scores(shard)],
             "diffusion_samples": lambda: [self.diffusion_tar(shard)],
             "video_diffusion_samples": lambda: [self.diffusion_tar(shard)],
         }[artifact]()

@@ -1,6 +1,8 @@
 """The dataset report: one self-contained HTML page (``<root>/report/index.html``) with what the shards
 hold: success rate per shard, failures by reason, original image sizes, caption lengths, CLIP
-embedding norms, and a summary table; for video shards, videos, clips and clip durations.
+embedding norms, and a summary table; curation (score histograms, top and bottom images by aesthetic
+score, duplicates side by side, samples kept per rule: ``curation_report``); for video shards,
+videos, clips and clip durations.
 
 Counts (samples, successes, failures by reason) are exact: they come from every shard's
 ``_stats.json``. The distributions read at most ``rows_per_shard`` evenly spaced rows of each shard's
@@ -22,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
+from shardprep.curation_report import CurationData, collect_curation, curation_section
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger, shard_media
 from shardprep.storage import atomic_write, read_npy, url_to_fs
@@ -81,6 +84,7 @@ class ReportData:
     problems: list[str] = field(default_factory=list)  # unreadable files, named
     videos: list[VideoShardFigures] = field(default_factory=list)  # the video shards (``shards``: image ones)
     clip_durations: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    curation: CurationData = field(default_factory=CurationData)  # scores, duplicates, selection
 
     @property
     def video_totals(self) -> dict:
@@ -206,8 +210,13 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
 
     widths_a, heights_a = cat(widths), cat(heights)
     keep = ~(np.isnan(widths_a) | np.isnan(heights_a)) if widths_a.size else np.zeros(0, dtype=bool)
+    try:
+        curation = collect_curation(layout, [f.shard for f in figures], rows_per_shard)
+    except (OSError, ValueError, KeyError) as e:
+        problems.append(f"curation outputs: {type(e).__name__}: {e}")
+        curation = CurationData()
     return ReportData(layout.root, figures, reasons, widths_a[keep], heights_a[keep], cat(captions), cat(norms),
-                      dim, rows_read, rows_per_shard, problems, videos, np.asarray(durations, dtype=float))
+                      dim, rows_read, rows_per_shard, problems, videos, np.asarray(durations, dtype=float), curation)
 
 
 def _video_figures(layout: Layout, key: str, reasons: Counter, durations: list[float],
@@ -345,6 +354,7 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 figure{display:inline-block;margin:0.5em;vertical-align:top}figcaption{font-size:0.85em;color:#555}
 .problems{color:#a00}
+figure.thumb{margin:0.2em}figure.thumb figcaption{font-size:0.7em}
 """
 
 
@@ -404,6 +414,7 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
         else:
             parts.append(_row([s.shard, "not processed", "", "", "", "", _fmt(s.embeddings), ""]))
     parts.append("</table>")
+    parts += curation_section(data.curation, _hist, _row, _fmt)
     if data.videos:
         parts += _video_section(data)
     parts.append("</body></html>")

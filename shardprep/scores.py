@@ -17,11 +17,15 @@ clip-retrieval's normalised ``img_emb``). Heads, recognised by their state-dict 
   ReLU + dropout between, no sigmoid: its raw output, as clip-retrieval's ``predict`` returns it).
 
 LAION's Keras SavedModel zips need TensorFlow and autokeras; they are refused with the name of the torch
-port to use. Files load with ``torch.load(weights_only=True)`` (``.pth``/``.pt``) or safetensors.
+port to use. Files load with ``torch.load(weights_only=True)`` (``.pth``/``.pt``) or safetensors, from a
+local path, any fsspec URL, or a hub id ``org/repo`` (its ``model.safetensors``, as NeMo Curator's
+``ttj/sac-logos-ava1-l14-linearMSE``) or ``org/repo/file`` read from the local Hugging Face cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -69,9 +73,41 @@ class ScoreHead:
         return (1.0 / (1.0 + np.exp(-x))).astype(np.float32) if self.sigmoid else x.astype(np.float32)
 
 
+def head_file(spec: str) -> str:
+    """A local file holding the head named by ``spec`` (see the module docstring): a local path as it
+    is, an fsspec URL copied to a local cache once, a hub id looked up in the Hugging Face cache."""
+    from shardprep import storage
+
+    if os.path.exists(spec):
+        return spec
+    if "://" in spec:
+        if not storage.exists(spec):
+            raise ScoreModelError(f"score head {spec}: no such file")
+        local = os.path.join(_cache_dir(), hashlib.sha256(spec.encode()).hexdigest()[:16] + "-" + spec.rsplit("/", 1)[-1])
+        if not os.path.exists(local):  # fetched whole, then renamed: a concurrent reader never sees part
+            storage.fetch_file(spec, f"{local}.{os.getpid()}.part")
+            os.replace(f"{local}.{os.getpid()}.part", local)
+        return local
+    parts = spec.split("/")
+    if len(parts) in (2, 3) and all(parts) and not spec.startswith((".", "/")):
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, name = "/".join(parts[:2]), parts[2] if len(parts) == 3 else "model.safetensors"
+        found = try_to_load_from_cache(repo, name)
+        if isinstance(found, str):
+            return found
+        raise ScoreModelError(f"score head {spec}: no such file, and {name} of hub repo {repo} is not in the local "
+                              "Hugging Face cache (hubs are not reached at run time: download it first)")
+    raise ScoreModelError(f"score head {spec}: no such file (hubs are not reached at run time: download it)")
+
+
+def _cache_dir() -> str:
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardprep", "score_heads")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def _read_state(path: str) -> dict[str, np.ndarray]:
-    if not os.path.exists(path):
-        raise ScoreModelError(f"score head {path}: no such file (hubs are not reached at run time: download it)")
     if path.endswith(".zip"):
         raise ScoreModelError(f"score head {path}: a Keras SavedModel zip (needs TensorFlow and autokeras); use its "
                               "torch port, e.g. NeMo Curator's clip_autokeras_binary_nsfw.pth")
@@ -96,8 +132,21 @@ def _linear(state: dict[str, np.ndarray], prefix: str) -> tuple[np.ndarray, np.n
     return state[f"{prefix}weight"], state[f"{prefix}bias"]
 
 
-def load_head(path: str) -> ScoreHead:
-    """The head in ``path``, its kind told by its keys (see the module docstring)."""
+_LOADED: dict[tuple[str, float, int], ScoreHead] = {}
+
+
+def load_head(spec: str) -> ScoreHead:
+    """The head named by ``spec`` (a path, URL or hub id), its kind told by its keys (see the module
+    docstring); read once per process and file version (config loads and every shard reuse it)."""
+    local = head_file(spec)
+    st = os.stat(local)
+    cached = _LOADED.get((local, st.st_mtime, st.st_size))
+    if cached is None:
+        cached = _LOADED[(local, st.st_mtime, st.st_size)] = _load_head(local)
+    return cached if cached.path == spec else dataclasses.replace(cached, path=spec)
+
+
+def _load_head(path: str) -> ScoreHead:
     state = _read_state(path)
     keys = set(state)
 

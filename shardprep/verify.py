@@ -206,6 +206,22 @@ def verify_clip_embeddings(layout: Layout, shard: str, enable_text: bool = True,
     return f
 
 
+def verify_image_scores(layout: Layout, shard: str, scored: bool) -> Findings:
+    """With a score head configured (``scored``): one score row per embedded sample; without: no file."""
+    f = Findings()
+    url = layout.scores(shard)
+    if not scored or not storage.exists(layout.img_emb(shard)):
+        if storage.exists(url):
+            f.fail(url, "exists, but " + ("no score head is configured" if not scored else "the shard has no embeddings"))
+        return f
+    n = _read(f, url, parquet_rows, "scores parquet")
+    m = _read(f, layout.emb_metadata(shard), parquet_rows, "metadata parquet")
+    if n is not None and m is not None and n != m:
+        f.fail(url, f"{n} rows, the embeddings' metadata has {m}")
+    f.facts.update(scored_samples=n)
+    return f
+
+
 def verify_reordered_embeddings(layout: Layout, shard: str, rows: int | None = None, index_width: int = 0,
                                 deep: bool = False) -> Findings:
     """``[rows, D]`` files like their clip-retrieval source; deep: row i is the embedding of the sample
@@ -365,6 +381,7 @@ def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, 
         "video_shards": lambda: verify_video_shard(layout, shard, rows, read_tar=read_tars),
         "clip_embeddings": lambda: verify_clip_embeddings(layout, shard, enable_text),
         "reordered_embeddings": lambda: verify_reordered_embeddings(layout, shard, rows),
+        "image_scores": lambda: verify_image_scores(layout, shard, scored=bool(cfg.aesthetic_model or cfg.nsfw_model)),
         "diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
         "video_diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
     }
@@ -382,8 +399,40 @@ def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings
         "image_energon_index": lambda: verify_energon_index(layout.images_dir),
         "diffusion_energon_index": lambda: verify_energon_index(layout.diffusion_dir),
         "dataset_report": lambda: Findings() if storage.exists(layout.report_html) else _missing(layout.report_html),
+        "duplicates": lambda: verify_duplicates(layout) if cfg.dedup else Findings(),
+        "sample_selection": lambda: verify_selection(layout),
     }
     return checks[artifact]()
+
+
+def verify_selection(layout: Layout) -> Findings:
+    """The selection state names its shards; each has its selection file, whole."""
+    f = Findings()
+    if not storage.exists(layout.selection_state):
+        return f  # no rule: no selection
+    state = _read(f, layout.selection_state, lambda u: json.loads(storage.read_bytes(u)), "selection state")
+    if not isinstance(state, dict):
+        return f
+    for shard, entry in state.get("shards", {}).items():
+        n = _read(f, layout.selection(shard), parquet_rows, "selection parquet")
+        if n is not None and isinstance(entry, dict) and n != entry.get("kept", 0) + sum(entry.get("dropped", {}).values()):
+            f.fail(layout.selection(shard), f"{n} rows, the selection state counts another number")
+    return f
+
+
+def verify_duplicates(layout: Layout) -> Findings:
+    """The dedup state names its shards; each has its keep mask, and the index and SQLite file are there."""
+    f = Findings()
+    state = _read(f, layout.dedup_state, lambda u: json.loads(storage.read_bytes(u)), "dedup state")
+    if not isinstance(state, dict):
+        return f
+    for url in (layout.dedup_index, layout.dedup_db, layout.dedup_table):
+        if not storage.exists(url):
+            f.fail(url, "missing")
+    for shard in state.get("shards", {}):
+        _read(f, layout.dedup_shard(shard), parquet_rows, "keep mask parquet")
+    f.facts.update(dedup_shards=len(state.get("shards", {})))
+    return f
 
 
 def _missing(url: str) -> Findings:

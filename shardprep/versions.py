@@ -34,18 +34,29 @@ ARTIFACTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                       "video_crf", "video_preset", "max_video_bytes", "max_video_pixels"), ("source_parquet",)),
     "clip_embeddings": (("clip_model", "enable_text"), ("image_shards",)),
     "reordered_embeddings": ((), ("clip_embeddings",)),
-    "diffusion_samples": (("diffusion_t5_model", "diffusion_autoencoder", "diffusion_resolution"),
-                          ("image_shards",)),
+    "image_scores": (("aesthetic_model", "nsfw_model"), ("clip_embeddings",)),
+    "duplicates": (("dedup", "dedup_threshold"), ("image_shards", "clip_embeddings")),
+    "sample_selection": (("dedup", "dedup_threshold", "aesthetic_min", "nsfw_max", "min_original_size",
+                          "caption_min_length", "caption_max_length"), ("image_shards", "image_scores", "duplicates")),
+    # the json's aesthetic_score comes from image_scores when an aesthetic head is configured (then the
+    # embeddings it is computed from count too: WHEN_SET)
+    "diffusion_samples": (("diffusion_t5_model", "diffusion_autoencoder", "diffusion_resolution", "aesthetic_model"),
+                          ("image_shards", "clip_embeddings")),
     "video_diffusion_samples": (("diffusion_t5_model", "video_autoencoder", "video_diffusion_frames",
                                  "video_diffusion_resolution"), ("video_shards",)),
-    "balanced_shards": (("tar_chunk_size",), ("image_shards",)),
+    "balanced_shards": (("tar_chunk_size",), ("image_shards", "sample_selection")),
     "wdinfo": ((), ("balanced_shards",)),
     "precached_encodings": (("precache_resolution", "precache_keep_original", "sd_autoencoder",
                              "sd_clip_text_model"), ("balanced_shards",)),
-    "image_energon_index": (("energon_split_ratio",), ("image_shards",)),
-    "diffusion_energon_index": (("energon_split_ratio",), ("diffusion_samples", "video_diffusion_samples")),
-    "dataset_report": ((), ("image_shards", "video_shards", "clip_embeddings")),
+    "image_energon_index": (("energon_split_ratio",), ("image_shards", "sample_selection")),
+    "diffusion_energon_index": (("energon_split_ratio",), ("diffusion_samples", "video_diffusion_samples",
+                                                           "sample_selection")),
+    "dataset_report": ((), ("image_shards", "video_shards", "clip_embeddings", "image_scores", "sample_selection")),
 }
+# (artifact, parent) -> the config fields without one of which the artifact does not read that parent
+WHEN_SET = {("diffusion_samples", "clip_embeddings"): ("aesthetic_model",),
+            ("sample_selection", "image_scores"): ("aesthetic_min", "nsfw_max"),
+            ("sample_selection", "duplicates"): ("dedup",)}
 # Bump an artifact's number when its code starts writing something different for the same config.
 CODE_REVISIONS: dict[str, int] = {name: 1 for name in ARTIFACTS}
 ALL_SHARDS = "_all"  # the stamp "shard" of an unpartitioned artifact
@@ -59,6 +70,8 @@ def artifact_versions(cfg: DatasetConfig) -> dict[str, str]:
     def version(name: str) -> str:
         if name not in versions:
             fields, parents = ARTIFACTS[name]
+            parents = tuple(p for p in parents if (name, p) not in WHEN_SET
+                            or any(values[f] not in (None, False) for f in WHEN_SET[(name, p)]))
             doc = {"code": CODE_REVISIONS[name], "fields": {f: values[f] for f in fields},
                    "from": {p: version(p) for p in parents}}
             digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
@@ -94,6 +107,17 @@ def stamped_version(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> s
     """The version ``shard``'s outputs of ``artifact`` were completed at, or None."""
     doc = read_stamp(layout, artifact, shard)
     return doc["version"] if doc else None
+
+
+def restamp_sizes(layout: Layout, artifact: str, shard: str, sizes: dict[str, int]) -> None:
+    """Record new sizes of files of ``artifact`` that another artifact rewrote in place (image_scores
+    joins its columns into clip_embeddings' metadata parquet), so ``verify`` does not take them for
+    damaged; the version and completeness stay as they were. No stamp: nothing to update."""
+    doc = read_stamp(layout, artifact, shard)
+    if doc is None:
+        return
+    doc["outputs"] = {**doc.get("outputs", {}), **{u: s for u, s in sizes.items() if u in doc.get("outputs", {})}}
+    write_bytes(layout.stamp(artifact, shard), json.dumps(doc).encode("utf-8"))
 
 
 def remove_stamp(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> bool:

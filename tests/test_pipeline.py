@@ -20,12 +20,18 @@ from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
 from tests.fixtures.live_dagster import prepare_home
+from tests.fixtures.score_heads import build_tiny_score_heads
 
 # the video assets are materialized for every shard too ("not applicable": no video_source)
 SHARD_ASSETS = ["source_parquet", "image_shards", "video_shards", "clip_embeddings", "reordered_embeddings",
-                "diffusion_samples", "video_diffusion_samples"]
-GLOBAL_ASSETS = ["balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",
+                "image_scores", "diffusion_samples", "video_diffusion_samples"]
+GLOBAL_ASSETS = ["duplicates", "sample_selection", "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",
                  "dataset_report"]
+
+
+# the tiny random CLIP puts different images at cosine up to ~0.998: only copies are duplicates here
+# (tests/test_dedup.py plants near copies in real embedding space)
+DEDUP_THRESHOLD = 0.999
 
 
 def materialized(n_shards: int) -> dict:
@@ -44,6 +50,7 @@ def instance(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, image_site, tiny_clip_dir, tiny_nemo_dirs):
     tmp_path = tmp_path_factory.mktemp("pipeline")
+    heads = build_tiny_score_heads(str(tmp_path / "heads"), dim=32)  # the tiny CLIP's width
     _, base_url = image_site
     src = tmp_path / "source"
     synthetic.make_source_parquets(str(src), base_url, n_files=2, rows_per_file=[45, 30], n_images=120, seed=3)
@@ -51,7 +58,8 @@ def dataset(tmp_path_factory, image_site, tiny_clip_dir, tiny_nemo_dirs):
         tmp_path / "shardprep.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
         samples_per_shard=20, image_size=32, resize_mode="center_crop", allow_private_addresses=True,
         clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16, thread_count=8, timeout=5,
-        save_additional_columns=["source_id"], tar_chunk_size=10, **nemo_config(tiny_nemo_dirs))
+        save_additional_columns=["source_id"], tar_chunk_size=10, aesthetic_model=heads["aesthetic"],
+        nsfw_model=heads["nsfw"], dedup=True, dedup_threshold=DEDUP_THRESHOLD, **nemo_config(tiny_nemo_dirs))
     return config, Layout(str(tmp_path / "out")), src
 
 
@@ -141,10 +149,77 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
         for e, key in zip(embs, meta["image_path"]):
             assert np.allclose(e, ours[key].astype(np.float32))
 
-    check_nemo_outputs(layout, set(ours))
+    aesthetic = check_scores(config, layout, ours)
+    dropped = check_duplicates(layout, ours)
+    # dedup: true is a curation rule: the energon datasets leave the duplicates out
+    check_nemo_outputs(layout, set(ours) - set(dropped), aesthetic)
 
 
-def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
+def check_duplicates(layout: Layout, embeddings: dict) -> dict:
+    """duplicates (an exact index at this size): against brute force over every sample,
+    no two kept samples share their bytes or are near copies, and each dropped one names a kept sample it
+    copies; ``{key: kept_key}`` of the dropped ones."""
+    import pandas as pd
+
+    masks = pd.concat([pq.read_table(p).to_pandas() for p in sorted(Path(layout.dedup_shards_dir).glob("*.parquet"))])
+    assert sorted(masks["key"]) == sorted(embeddings)
+    hashes = {}
+    for p in sorted(Path(layout.images_dir).glob("*.parquet")):
+        t = pq.read_table(p).to_pandas()
+        hashes.update(zip(t["key"], t["sha256"]))
+    kept = masks[masks["keep"]]["key"].tolist()
+    assert len(set(hashes[k] for k in kept)) == len(kept)  # no exact copy kept
+    e = np.stack([embeddings[k].astype(np.float32) for k in kept])
+    e /= np.linalg.norm(e, axis=1, keepdims=True)
+    sims = e @ e.T
+    np.fill_diagonal(sims, 0)
+    assert sims.max() < DEDUP_THRESHOLD  # no near copy kept
+    dropped = masks[~masks["keep"]]  # none in the first two files; the third repeats their images
+    for key, kept_key, reason in zip(dropped["key"], dropped["duplicate_of"], dropped["reason"]):
+        assert kept_key in set(kept) and kept_key < key  # the first arrival is kept
+        if reason == "exact":
+            assert hashes[key] == hashes[kept_key]
+        else:
+            a, b = (embeddings[k].astype(np.float32) for k in (key, kept_key))
+            assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) >= DEDUP_THRESHOLD - 1e-3
+    table = pq.read_table(layout.dedup_table).to_pandas()
+    assert sorted(table["key"]) == sorted(dropped["key"])
+    return dict(zip(dropped["key"], dropped["duplicate_of"]))
+
+
+def check_scores(config: str, layout: Layout, embeddings: dict) -> dict:
+    """image_scores: the configured heads' scores of every embedded sample, as the published torch modules
+    compute them on the float32, L2-normalised embeddings; joined into clip-retrieval's metadata parquet."""
+    import pandas as pd
+    import torch
+
+    from shardprep.config import load_config
+    from shardprep.verify import verify_shard
+    from tests.fixtures.score_heads import NsfwL14, aesthetic_v2
+
+    cfg = load_config(config)
+    modules = {"aesthetic_score": aesthetic_v2(dim=32), "nsfw_score": NsfwL14(dim=32)}
+    for column, path in (("aesthetic_score", cfg.aesthetic_model), ("nsfw_score", cfg.nsfw_model)):
+        modules[column].load_state_dict(torch.load(path, weights_only=True))
+    scores = pd.concat([pq.read_table(p).to_pandas() for p in sorted(Path(layout.root, "scores").glob("*.parquet"))])
+    assert sorted(scores["key"]) == sorted(embeddings) and set(scores["aesthetic_model"]) == {cfg.aesthetic_model}
+    x = torch.from_numpy(np.stack([embeddings[k] for k in scores["key"]]).astype(np.float32))
+    x = x / x.norm(dim=1, keepdim=True)
+    for column, module in modules.items():
+        with torch.no_grad():
+            want = module.eval()(x)[:, 0].numpy()
+        np.testing.assert_allclose(scores[column].to_numpy(), want, rtol=1e-4, atol=1e-5)
+    assert scores["aesthetic_score"].std() > 0.01 and ((scores["nsfw_score"] > 0) & (scores["nsfw_score"] < 1)).all()
+    # the same columns in the metadata parquet, row for row; clip_embeddings' outputs still verify
+    for shard in (p.stem for p in Path(layout.root, "scores").glob("*.parquet")):
+        meta = pq.read_table(layout.emb_metadata(shard)).to_pandas()
+        mine = scores.set_index("key").loc[meta["image_path"]]
+        assert np.array_equal(meta["aesthetic_score"].to_numpy(), mine["aesthetic_score"].to_numpy())
+        assert not verify_shard(layout, cfg, "clip_embeddings", shard).problems
+    return dict(zip(scores["key"], scores["aesthetic_score"].astype(float)))
+
+
+def check_nemo_outputs(layout: Layout, success_keys: set, aesthetic: dict | None = None) -> None:
     """wdinfo and balanced tars as NeMo reads them; both energon indexes through the real energon loader."""
     import pickle
 
@@ -162,7 +237,7 @@ def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
     enc = pickle.loads(sample["pickle"])
     assert set(enc) == {"autoencoderkl_image", "clip-vit-large-patch14_text"}
 
-    # image index: CaptioningSample batches cover every successful key exactly once across the splits
+    # image index: CaptioningSample batches cover every selected key exactly once across the splits
     keys = energon_keys(layout.images_dir, "train") + energon_keys(layout.images_dir, "val")
     assert sorted(keys) == sorted(success_keys)
 
@@ -177,6 +252,8 @@ def check_nemo_outputs(layout: Layout, success_keys: set) -> None:
         def encode_sample(self, sample):
             assert sample["pth"].dtype == torch.bfloat16 and sample["pth"].shape == (16, 1, 4, 4)
             assert sample["pickle"].dtype == np.float16 and sample["json"]["source_key"] == sample["__key__"]
+            if aesthetic is not None:  # image_scores' score, which NeMo's task encoder filters on
+                assert sample["json"]["aesthetic_score"] == pytest.approx(aesthetic[sample["__key__"]], abs=1e-5)
             return sample
 
         def batch(self, samples):  # T5 states differ in length: keep the samples as they are
@@ -211,4 +288,142 @@ def test_rerun_does_only_missing_work(dataset, instance, image_site):
     assert [p for p in immutable if after[p] != before[p]] == []
     assert any(p.name.endswith(".tar.idx") and p.parts[0] == "images" for p in immutable)
     assert third.materialized == materialized(7)
-    assert len(complete_tar_counts(layout.balanced_dir)) > len(complete_before)  # new tars were added
+    # the new file's repeats of images from the first two files are found without re-reading their shards
+    import pandas as pd
+
+    new = pd.concat([pq.read_table(layout.dedup_shard(s)).to_pandas() for s in ("00005", "00006")])
+    assert (new["duplicate_of"].dropna().str[:5].astype(int) < 5).any()  # kept in a shard of the first files
+    ours = {k: e for s in third.shards if Path(layout.img_emb(s)).exists()
+            for k, e in zip(pq.read_table(layout.emb_metadata(s)).column("image_path").to_pylist(),
+                            np.load(layout.img_emb(s)))}
+    dropped = check_duplicates(layout, ours)  # against brute force over all 7 shards
+    # the new file repeats images of the first two: its copies are not added to the balanced tars
+    balanced = [s["__key__"] for p in sorted(Path(layout.balanced_dir).glob("*.tar"))
+                for s in wds.WebDataset(str(p), shardshuffle=False)]
+    assert dropped and sorted(balanced) == sorted(set(ours) - set(dropped))
+
+
+def test_a_new_score_head_rescores_without_redoing_downloads_or_embeddings(dataset, instance, tmp_path):
+    """Another aesthetic head re-runs image_scores and what reads the scores (diffusion samples' json,
+    the global outputs), never the downloads or the embeddings."""
+    import yaml
+
+    config, layout, _ = dataset
+    assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok  # current first
+
+    def counts() -> dict:
+        return {a: len(instance.fetch_materializations(dg.AssetKey(a), limit=10_000).records)
+                for a in SHARD_ASSETS + GLOBAL_ASSETS}
+
+    before, old_scores = counts(), pq.read_table(layout.scores("00000")).to_pandas()
+    fields = yaml.safe_load(Path(config).read_text())
+    fields["aesthetic_model"] = build_tiny_score_heads(str(tmp_path / "heads"), dim=32, seed=99)["aesthetic"]
+    changed = write_config(tmp_path / "changed.yaml", **fields)
+    summary = run_pipeline(changed, instance=instance, progress=False, in_process=True)
+    assert summary.ok, summary.failed
+    done = {a: n - before[a] for a, n in counts().items() if n != before[a]}
+    shards = len(summary.shards)
+    assert {a: done.get(a, 0) for a in SHARD_ASSETS} == {
+        **{a: 0 for a in SHARD_ASSETS}, "image_scores": shards, "diffusion_samples": shards,
+        "video_shards": 0, "video_diffusion_samples": 0}
+    new_scores = pq.read_table(layout.scores("00000")).to_pandas()
+    assert list(new_scores["key"]) == list(old_scores["key"])
+    assert not np.allclose(new_scores["aesthetic_score"], old_scores["aesthetic_score"])
+    np.testing.assert_array_equal(new_scores["nsfw_score"], old_scores["nsfw_score"])
+
+
+def _crude():
+    """A task encoder that reads the diffusion dataset's CrudeWebdataset samples as they are."""
+    from megatron.energon import Cooker, DefaultTaskEncoder, basic_sample_keys, stateless
+
+    @stateless
+    def cook(sample: dict) -> dict:
+        return dict(**basic_sample_keys(sample), json=sample[".json"])
+
+    class Crude(DefaultTaskEncoder):
+        cookers = [Cooker(cook)]
+
+        def batch(self, samples):
+            return samples
+
+    return Crude()
+
+
+def test_curation_rules_reselect_without_redoing_any_shard(dataset, instance, tmp_path):
+    """aesthetic_min, nsfw_max and caption_min_length on top of dedup: only the selection and the global
+    outputs are redone; the balanced tars, both energon datasets (through the real energon loader) and the
+    decoder loader's selection_url hold exactly the selected samples, and the diffusion json carries the
+    computed aesthetic_score NeMo filters on."""
+    import pandas as pd
+    import torchvision.transforms as T
+    import yaml
+
+    from shardprep.dataloaders import create_image_embedding_dataloader
+
+    config, layout, _ = dataset
+    assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
+    scores = pd.concat([pq.read_table(p).to_pandas() for p in sorted(Path(layout.scores_dir).glob("*.parquet"))])
+    fields = yaml.safe_load(Path(config).read_text())
+    fields.update(aesthetic_min=float(scores["aesthetic_score"].quantile(0.3)),
+                  nsfw_max=float(scores["nsfw_score"].quantile(0.8)), caption_min_length=12)
+    changed = write_config(tmp_path / "rules.yaml", **fields)
+
+    def counts() -> dict:
+        return {a: len(instance.fetch_materializations(dg.AssetKey(a), limit=10_000).records)
+                for a in SHARD_ASSETS + GLOBAL_ASSETS}
+
+    before = counts()
+    summary = run_pipeline(changed, instance=instance, progress=False, in_process=True)
+    assert summary.ok, summary.failed
+    assert summary.materialized == materialized(len(summary.shards))
+    done = {a: n - before[a] for a, n in counts().items() if n != before[a]}
+    assert not set(done) & set(SHARD_ASSETS), done  # no download, embedding, score or latent again
+    assert {"sample_selection", "balanced_shards", "image_energon_index", "diffusion_energon_index"} <= set(done)
+
+    # the selection, recomputed here from the inputs it reads
+    dedup = pd.concat([pq.read_table(p).to_pandas() for p in sorted(Path(layout.dedup_shards_dir).glob("*.parquet"))])
+    shards = pd.concat([pq.read_table(layout.shard_parquet(s)).to_pandas() for s in summary.shards])
+    shards = shards[shards.status == "success"].merge(scores, on="key").merge(dedup[["key", "keep"]], on="key")
+    want = set(shards[shards["keep"] & (shards.aesthetic_score >= fields["aesthetic_min"])
+                      & (shards.nsfw_score <= fields["nsfw_max"]) & (shards.caption.str.len() >= 12)]["key"])
+    assert 0 < len(want) < len(shards)
+    selection = pd.concat([pq.read_table(layout.selection(s)).to_pandas() for s in summary.shards])
+    assert set(selection[selection.keep]["key"]) == want
+    assert set(selection[~selection.keep]["reason"]) <= {"dedup", "nsfw_max", "aesthetic_min", "caption_min_length"}
+
+    # the outputs a trainer reads: exactly the selected samples
+    energon = energon_keys(layout.images_dir, "train") + energon_keys(layout.images_dir, "val")
+    assert sorted(energon) == sorted(want)
+    diffusion = energon_keys(layout.diffusion_dir, "train", _crude()) + energon_keys(layout.diffusion_dir, "val",
+                                                                                      _crude())
+    assert sorted(diffusion) == sorted(want)
+    balanced = [s["__key__"] for p in sorted(Path(layout.balanced_dir).glob("*.tar"))
+                for s in wds.WebDataset(str(p), shardshuffle=False)]
+    assert sorted(balanced) == sorted(want)
+    tars = [layout.tar(s) for s in summary.shards if Path(layout.tar(s)).exists()]
+    loader = create_image_embedding_dataloader(
+        tar_url=tars, num_workers=0, batch_size=4, img_embeddings_url=layout.reordered_img_dir, index_width=2,
+        shuffle_shards=False, img_preproc=T.ToTensor(), extra_keys=["__key__"], selection_url=layout.selection_dir)
+    assert sorted(k for _, _, keys in loader for k in keys) == sorted(want)
+    # the prior loader (text-conditioned: keys from the metadata): the selected rows' embeddings only
+    from shardprep.dataloaders import get_reader, make_splits
+
+    reader = get_reader(True, img_url=str(Path(layout.img_emb("x")).parent),
+                        meta_url=str(Path(layout.emb_metadata("x")).parent))
+    splits = make_splits(True, 8, reader.count, 0.6, 0.2, reader, selection_url=layout.selection_dir)
+    rows = np.concatenate([emb.numpy() for split in splits for emb, _ in split])
+    emb = {k: e for s in summary.shards if Path(layout.img_emb(s)).exists()
+           for k, e in zip(pq.read_table(layout.emb_metadata(s)).column("image_path").to_pylist(),
+                           np.load(layout.img_emb(s)))}
+    assert sorted(map(bytes, rows.astype(np.float32))) == sorted(bytes(emb[k].astype(np.float32)) for k in want)
+
+    # the report's curation section: histograms, top and bottom images with their scores, kept per rule
+    page = Path(layout.report_html).read_text()
+    for part in ('id="aesthetic_scores"', 'id="nsfw_scores"', 'id="top_aesthetic"', 'id="bottom_aesthetic"',
+                 'id="selection"', f"Selection: {len(want):,} of {len(shards):,} samples kept"):
+        assert part in page, part
+    best = scores.sort_values("aesthetic_score", ascending=False).iloc[0]
+    assert f'{best["key"]}: {best["aesthetic_score"]:.3f}' in page
+    pairs = min(8, pq.read_metadata(layout.dedup_table).num_rows)  # duplicates beside the sample kept
+    assert ('id="duplicates"' in page) == bool(pairs)
+    assert page.count('<figure class="thumb"><img src="data:image/jpeg') == 16 + 2 * pairs  # 8 top, 8 bottom

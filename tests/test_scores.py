@@ -8,60 +8,9 @@ import torch
 from torch import nn
 
 from shardprep.scores import ScoreModelError, load_head
-
-
-def _aesthetic_v2(relu: bool) -> nn.Module:
-    # improved-aesthetic-predictor's MLP (simple_inference.py); its reluMSE sibling has ReLUs
-    if relu:
-        layers = [nn.Linear(768, 1024), nn.ReLU(), nn.Dropout(0.2), nn.Linear(1024, 128), nn.ReLU(), nn.Dropout(0.2),
-                  nn.Linear(128, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 1)]
-    else:
-        layers = [nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2), nn.Linear(128, 64),
-                  nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1)]
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.Sequential(*layers)
-
-        def forward(self, x):
-            return self.layers(x)
-
-    return MLP()
-
-
-class _NsfwL14(nn.Module):
-    """NeMo Curator's NSFWModel (nemo_curator/models/nsfw.py)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.Module()
-        self.norm.register_buffer("mean", torch.rand(768) * 0.01)
-        self.norm.register_buffer("variance", torch.rand(768) * 0.01 + 0.001)
-        self.linear_1, self.linear_2 = nn.Linear(768, 64), nn.Linear(64, 512)
-        self.linear_3, self.linear_4 = nn.Linear(512, 256), nn.Linear(256, 1)
-
-    def forward(self, x):
-        x = (x - self.norm.mean) / torch.sqrt(self.norm.variance)
-        x = torch.relu(self.linear_1(x))
-        x = torch.relu(self.linear_2(x))
-        x = torch.relu(self.linear_3(x))
-        return torch.sigmoid(self.linear_4(x))
-
-
-class _NsfwH14(nn.Module):
-    """LAION's H14_NSFW_Detector (h14_nsfw_model.py)."""
-
-    def __init__(self):
-        super().__init__()
-        dims = [1024, 1024, 2048, 1024, 256, 128]
-        parts = []
-        for a, b in zip(dims, dims[1:]):
-            parts += [nn.Linear(a, b), nn.ReLU(), nn.Dropout(0.2)]
-        self.layers = nn.Sequential(*parts, nn.Linear(128, 16), nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.layers(x)
+from tests.fixtures.score_heads import NsfwH14 as _NsfwH14
+from tests.fixtures.score_heads import NsfwL14 as _NsfwL14
+from tests.fixtures.score_heads import aesthetic_v2 as _aesthetic_v2
 
 
 def _embeddings(n: int, d: int) -> np.ndarray:
@@ -127,3 +76,76 @@ def test_safetensors_and_wrong_inputs(tmp_path):
     (tmp_path / "broken.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ScoreModelError, match="broken.pth: cannot read it"):
         load_head(str(tmp_path / "broken.pth"))
+
+
+def _config(tmp_path, **fields):
+    from shardprep.config import config_from_dict
+
+    return config_from_dict({"source": str(tmp_path / "src.parquet"), "output_root": str(tmp_path / "out"), **fields},
+                            origin="my.yaml")
+
+
+def test_a_head_that_does_not_fit_the_clip_model_is_refused_at_config_load(tmp_path, tiny_clip_dir):
+    from shardprep.config import ConfigError
+    from shardprep.encoders import embedding_width
+
+    torch.save(_aesthetic_v2(relu=False).state_dict(), tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
+    torch.save(nn.Linear(512, 1).state_dict(), tmp_path / "sa_0_4_vit_b_32_linear.pth")
+    torch.save(_NsfwL14().state_dict(), tmp_path / "clip_autokeras_binary_nsfw.pth")
+    l14, b32, nsfw = (str(tmp_path / n) for n in ("sac+logos+ava1-l14-linearMSE.pth", "sa_0_4_vit_b_32_linear.pth",
+                                                   "clip_autokeras_binary_nsfw.pth"))
+    # the widths come from the model's name or its config.json, never its weights
+    assert (embedding_width("ViT-L/14"), embedding_width("ViT-B/32"), embedding_width(f"hf_clip:{tiny_clip_dir}")) \
+        == (768, 512, 32)
+    assert embedding_width("open_clip:ViT-H-14/laion2b_s32b_b79k") in (1024, None)  # None: open_clip not installed
+    cfg = _config(tmp_path, clip_model="ViT-L/14", aesthetic_model=l14, nsfw_model=nsfw)
+    assert cfg.aesthetic_model == l14
+    assert _config(tmp_path, clip_model="ViT-B/32", aesthetic_model=b32).aesthetic_model == b32
+    with pytest.raises(ConfigError) as e:  # an L/14 head on B/32 embeddings, both fields at once
+        _config(tmp_path, clip_model="ViT-B/32", aesthetic_model=l14, nsfw_model=nsfw)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith("my.yaml: config field '") for line in lines)
+    assert "'aesthetic_model': " + l14 + " (aesthetic_v2) reads 768-wide embeddings, but clip_model 'ViT-B/32' " \
+        "makes 512-wide ones" in lines[0]
+    with pytest.raises(ConfigError, match="'aesthetic_model': .* reads 768-wide .* makes 32-wide"):
+        _config(tmp_path, clip_model=f"hf_clip:{tiny_clip_dir}", aesthetic_model=l14)
+    with pytest.raises(ConfigError, match="'aesthetic_model': .*clip_autokeras_binary_nsfw.pth is a nsfw_l14 head; "
+                                          "allowed: aesthetic_v2, aesthetic_v1"):
+        _config(tmp_path, clip_model="ViT-L/14", aesthetic_model=nsfw)
+    with pytest.raises(ConfigError, match="'nsfw_model': score head .*missing.pth: no such file"):
+        _config(tmp_path, nsfw_model=str(tmp_path / "missing.pth"))
+
+
+def test_heads_load_from_a_hub_id_in_the_local_cache_and_from_urls(tmp_path, monkeypatch):
+    """``org/repo`` (NeMo Curator's ttj/sac-logos-ava1-l14-linearMSE: its model.safetensors) from the Hugging
+    Face cache laid out as huggingface_hub writes it; a file on any fsspec URL; a hub id not cached is named."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    module = _aesthetic_v2(relu=False)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--ttj--sac-logos-ava1-l14-linearMSE" / "snapshots" / "1e77fa0"
+    snapshot.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(snapshot / "model.safetensors"))
+    (cache / "models--ttj--sac-logos-ava1-l14-linearMSE" / "refs").mkdir()
+    (cache / "models--ttj--sac-logos-ava1-l14-linearMSE" / "refs" / "main").write_text("1e77fa0")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    emb = _embeddings(8, 768)
+    head = load_head("ttj/sac-logos-ava1-l14-linearMSE")
+    assert head.kind == "aesthetic_v2" and head.path == "ttj/sac-logos-ava1-l14-linearMSE"
+    np.testing.assert_allclose(head(emb), _reference(module, emb), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ScoreModelError, match="model.safetensors of hub repo other/repo is not in the local"):
+        load_head("other/repo")
+    # a URL (memory:// here; s3:// alike): fetched once into the local cache
+    import fsspec
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with fsspec.open("memory://heads/sa_0_4_vit_b_32_linear.pth", "wb") as f:
+        linear = nn.Linear(512, 1)
+        torch.save(linear.state_dict(), f)
+    head = load_head("memory://heads/sa_0_4_vit_b_32_linear.pth")
+    assert head.kind == "aesthetic_v1" and head.path == "memory://heads/sa_0_4_vit_b_32_linear.pth"
+    np.testing.assert_allclose(head(_embeddings(4, 512)), _reference(linear, _embeddings(4, 512)), rtol=1e-4, atol=1e-5)

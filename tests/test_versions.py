@@ -24,12 +24,13 @@ def changed(**fields) -> set[str]:
 
 
 def test_versions_follow_the_fields_each_artifact_reads():
-    downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "diffusion_samples",
+    downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "image_scores", "duplicates",
+                            "sample_selection", "diffusion_samples",
                             "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
                             "diffusion_energon_index", "dataset_report"}
     assert changed(image_size=128) == downstream_of_images
     assert changed(clip_model="open_clip:ViT-B-32/laion2b_s34b_b79k") == {
-        "clip_embeddings", "reordered_embeddings", "dataset_report"}
+        "clip_embeddings", "reordered_embeddings", "image_scores", "duplicates", "dataset_report"}
     assert changed(diffusion_resolution=256) == {"diffusion_samples", "diffusion_energon_index"}
     # a video setting makes only what is made from videos stale, never an image output
     assert changed(video_size=360) == {"video_shards", "video_diffusion_samples", "diffusion_energon_index",
@@ -37,6 +38,12 @@ def test_versions_follow_the_fields_each_artifact_reads():
     assert changed(video_diffusion_frames=17) == {"video_diffusion_samples", "diffusion_energon_index"}
     assert changed(tar_chunk_size=500) == {"balanced_shards", "wdinfo", "precached_encodings"}
     assert changed(energon_split_ratio=[0.8, 0.2, 0.0]) == {"image_energon_index", "diffusion_energon_index"}
+    # a curation rule: the selection and the outputs made from it, never downloads, embeddings or latents
+    selected = {"sample_selection", "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
+                "diffusion_energon_index", "dataset_report"}
+    assert changed(min_original_size=512) == selected
+    assert changed(caption_max_length=300) == selected
+    assert changed(dedup=True) == selected | {"duplicates"}
     # how fast, not what: nothing is stale
     for speed in ({"thread_count": 8}, {"batch_size": 16}, {"timeout": 3}, {"decode_threads": 1},
                   {"device": "cpu"}, {"nemo_batch_size": 2}, {"retries": 2}):
@@ -46,8 +53,32 @@ def test_versions_follow_the_fields_each_artifact_reads():
     speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
-                  "video_thread_count", "video_decode_threads", "video_timeout"}
+                  "video_thread_count", "video_decode_threads", "video_timeout",
+                  "watermark_model"}  # not run yet: image_scores says so
     assert read | speed_only == set(config_from_dict(BASE).to_dict()), "classify the new config field"
+
+
+def test_diffusion_samples_read_the_embeddings_only_through_an_aesthetic_head(tmp_path):
+    """Their json's aesthetic_score is image_scores': with an aesthetic head, a new head or new embeddings
+    make them stale; an NSFW head never does, and without an aesthetic head the embeddings do not."""
+    import torch
+
+    from tests.fixtures.score_heads import NsfwL14
+
+    torch.save(torch.nn.Linear(512, 1).state_dict(), tmp_path / "sa_0_4_vit_b_32_linear.pth")
+    torch.save(torch.nn.Linear(512, 1).state_dict(), tmp_path / "other_linear.pth")
+    torch.save(NsfwL14(dim=512).state_dict(), tmp_path / "nsfw.pth")
+    scored = {**BASE, "aesthetic_model": str(tmp_path / "sa_0_4_vit_b_32_linear.pth")}
+
+    def stale(before: dict, **fields) -> set[str]:
+        a, b = artifact_versions(config_from_dict(before)), artifact_versions(config_from_dict({**before, **fields}))
+        return {k for k in ARTIFACTS if a[k] != b[k]}
+
+    assert stale(scored, aesthetic_model=str(tmp_path / "other_linear.pth")) == {
+        "image_scores", "diffusion_samples", "diffusion_energon_index", "dataset_report"}
+    assert stale(scored, nsfw_model=str(tmp_path / "nsfw.pth")) == {"image_scores", "dataset_report"}
+    assert {"diffusion_samples", "image_scores"} <= stale(scored, clip_model="ViT-B/16")
+    assert "diffusion_samples" not in stale(BASE, clip_model="ViT-B/16")
 
 
 def _materializations(instance: dg.DagsterInstance) -> dict[str, int]:
@@ -94,7 +125,7 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
         redone = _redone(before, _materializations(instance))
         # video_diffusion_samples: enabled too, materialized as not applicable (no video shard)
         assert set(redone) == {"diffusion_samples", "video_diffusion_samples", "diffusion_energon_index",
-                               "balanced_shards", "wdinfo",
+                               "duplicates", "sample_selection", "balanced_shards", "wdinfo",
                                "precached_encodings", "image_energon_index", "dataset_report"}
         assert redone["diffusion_samples"] == 2
         # (the global run re-evaluates every unpartitioned asset; they are incremental and do no work)

@@ -167,7 +167,24 @@ def verify_keys(samples, required_keys, handler=wds.handlers.reraise_exception):
             break
 
 
+def select_samples(samples, selection_url: str):
+    """Only the samples the curation selection keeps (``<selection_url>/{shard}.parquet``, written by the
+    ``sample_selection`` asset); a tar with no selection file yet gives none."""
+    from shardprep.selection import selected_in
+
+    current, keys = None, set()
+    for sample in samples:
+        url = sample["__url__"]
+        if url != current:
+            current = url
+            name = url.rsplit("/", 1)[-1].removesuffix(".tar")
+            keys = selected_in(f"{selection_url.rstrip('/')}/{name}.parquet") or set()
+        if sample["__key__"] in keys:
+            yield sample
+
+
 _open_tars = wds.filters.pipelinefilter(tar_samples)
+_select_samples = wds.filters.pipelinefilter(select_samples)
 _split_by_rank = wds.filters.pipelinefilter(split_by_rank)
 _split_by_worker = wds.filters.pipelinefilter(split_by_worker)
 _shuffle_list = wds.filters.pipelinefilter(shuffle_list)
@@ -197,7 +214,8 @@ class ImageEmbeddingDataset(wds.DataPipeline, wds.compat.FluidInterface):
     Same positional parameters as DALLE2-pytorch 1.15.6; keyword-only additions:
     ``embedding_folder_url`` / ``shard_width`` (README names, see module doc), ``shuffle_num``
     (sample shuffle buffer; None/0 = no shuffle), ``rank`` / ``world_size`` (default:
-    torch.distributed when initialised, else 0/1) and ``seed`` (reproducible shuffles).
+    torch.distributed when initialised, else 0/1), ``seed`` (reproducible shuffles) and
+    ``selection_url`` (``<root>/selection``: only the samples the curation rules keep).
 
     Without ``resample``, shard URLs are dealt to ranks (``rank::world_size``) and then to
     DataLoader workers, so each sample is read once per epoch; a rank keeps the same shards every
@@ -223,6 +241,7 @@ class ImageEmbeddingDataset(wds.DataPipeline, wds.compat.FluidInterface):
         rank=None,
         world_size=None,
         seed=None,
+        selection_url=None,
     ):
         super().__init__()
         _check_folder_url("text_embedding_folder_url", text_embedding_folder_url)
@@ -257,6 +276,8 @@ class ImageEmbeddingDataset(wds.DataPipeline, wds.compat.FluidInterface):
             if shuffle_shards:
                 self.append(_shuffle_list(seed=seed, rank=self.rank))
         self.append(_open_tars(handler=handler))
+        if selection_url is not None:  # before the embeddings: a dropped sample's row is never read
+            self.append(_select_samples(selection_url=selection_url))
         if files:
             self.append(_insert_embeddings(files=files, index_width=index_width, shard_width=shard_width, handler=handler))
         else:
@@ -300,6 +321,7 @@ def create_image_embedding_dataloader(
     seed=None,
     prefetch_factor=2,
     pin_memory=None,
+    selection_url=None,
 ):
     """DALLE2's one-line loader: ``ImageEmbeddingDataset`` in a ``torch.utils.data.DataLoader``.
 
@@ -323,6 +345,7 @@ def create_image_embedding_dataloader(
         rank=rank,
         world_size=world_size,
         seed=seed,
+        selection_url=selection_url,
     )
     loader_args = dict(prefetch_factor=prefetch_factor, worker_init_fn=start_worker) if num_workers > 0 else {}
     return DataLoader(

@@ -22,8 +22,8 @@ from .worker import start_worker
 
 
 def get_reader(text_conditioned: bool, img_url: str, meta_url: str = None, txt_url: str = None):
-    """An ``EmbeddingReader`` (text-conditioned: npy + parquet ``caption``), else a tuple
-    ``(image_reader, text_reader)`` of two npy readers."""
+    """An ``EmbeddingReader`` (text-conditioned: npy + parquet ``caption`` and ``image_path``, the key a
+    curation selection filters on), else a tuple ``(image_reader, text_reader)`` of two npy readers."""
     if img_url is None:
         raise ValueError("get_reader needs img_url, the folder of img_emb_*.npy files")
     if text_conditioned:
@@ -32,7 +32,7 @@ def get_reader(text_conditioned: bool, img_url: str, meta_url: str = None, txt_u
         return EmbeddingReader(
             embeddings_folder=img_url,
             file_format="parquet_npy",
-            meta_columns=["caption"],
+            meta_columns=["caption", "image_path"],
             metadata_folder=meta_url,
         )
     if txt_url is None:
@@ -51,8 +51,14 @@ class PriorEmbeddingDataset(IterableDataset):
         stop: int,
         image_reader,
         text_reader: EmbeddingReader = None,
+        *,
+        selection_url: str = None,
     ) -> None:
         super().__init__()
+        if selection_url is not None and not text_conditioned:
+            raise ValueError("selection_url needs the text-conditioned reader: the keys it filters on come from "
+                             "the metadata parquet (get_reader(text_conditioned=True, ...))")
+        self.selection_url = selection_url
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not text_conditioned and text_reader is None:
@@ -80,11 +86,40 @@ class PriorEmbeddingDataset(IterableDataset):
         if self.text_conditioned:
             from clip import tokenize  # clip-anytorch; imported here so decoder users skip it
 
+            kept = _Selection(self.selection_url) if self.selection_url is not None else None
             for image_embedding, meta in self.image_reader(**args):
+                if kept is not None:  # only the selected rows: a batch may come out shorter
+                    rows = [i for i, key in enumerate(meta["image_path"]) if kept(key)]
+                    if not rows:
+                        continue
+                    image_embedding, meta = image_embedding[rows], meta.iloc[rows]
                 yield from_numpy(image_embedding), tokenize(meta["caption"].to_list(), truncate=True)
         else:
             for (image_embedding, _), (text_embedding, _) in zip(self.image_reader(**args), self.text_reader(**args)):
                 yield from_numpy(image_embedding), from_numpy(text_embedding)
+
+
+class _Selection:
+    """``key -> kept?`` from ``<root>/selection/{shard}.parquet`` files (a key starts with its shard id),
+    each shard's file read when its first key comes; a shard without a file keeps nothing."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url)
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+        self.url = url.rstrip("/")
+        self.shards = sorted(n.removesuffix(".parquet") for n in names if n.endswith(".parquet"))
+        self.width = len(self.shards[0]) if self.shards else 0
+        self.kept: dict[str, set] = {}
+
+    def __call__(self, key: str) -> bool:
+        from shardprep.selection import selected_in
+
+        shard = key[:self.width]
+        if shard not in self.kept:
+            self.kept[shard] = selected_in(f"{self.url}/{shard}.parquet") or set()
+        return key in self.kept[shard]
 
 
 def distribute_to_rank(start: int, stop: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -119,8 +154,11 @@ def make_splits(
     world_size=1,
     *,
     num_workers: int = 0,
+    selection_url: str = None,
 ):
     """``(train, eval, test)`` DataLoaders (``batch_size=None``: the dataset batches) for this rank.
+    ``selection_url`` (``<root>/selection``, text-conditioned only): only the samples the curation
+    rules keep (splits are still cut by row).
 
     The test split is what train and eval leave of ``num_data_points`` rows from ``start``.
     ``num_workers`` (keyword, default 0 as in DALLE2) is passed to the DataLoaders.
@@ -145,6 +183,7 @@ def make_splits(
             stop=rank_stop,
             image_reader=image_reader,
             text_reader=text_reader,
+            selection_url=selection_url,
         )
         loaders.append(DataLoader(dataset, batch_size=None, num_workers=num_workers, worker_init_fn=start_worker))
     return tuple(loaders)

@@ -61,8 +61,9 @@ def info_yaml(shard_counts: dict[str, int]) -> bytes:
     return yaml.dump({"shard_counts": shard_counts}).encode("utf-8")
 
 
-def split_yaml(split_parts: dict[str, list[str]]) -> bytes:
-    return yaml.dump({"split_parts": split_parts, "exclude": []}, sort_keys=False).encode("utf-8")
+def split_yaml(split_parts: dict[str, list[str]], exclude: list[str] | None = None) -> bytes:
+    """``exclude``: ``"<tar>"`` (a whole tar) or ``"<tar>/<sample key>"`` entries energon leaves out."""
+    return yaml.dump({"split_parts": split_parts, "exclude": list(exclude or [])}, sort_keys=False).encode("utf-8")
 
 
 def dataset_yaml(definition: dict) -> bytes:

@@ -43,6 +43,7 @@ class IndexReport:
     uuid: str
     index_changed: bool  # sqlite rows changed (a new index.uuid)
     files_written: list[str] = field(default_factory=list)
+    excluded: int = 0  # split.yaml exclude entries (samples or whole tars a selection leaves out)
 
 
 @dataclass
@@ -69,8 +70,11 @@ class _Plan:
 def update_energon_index(dataset_dir: str, *, sample_type: str, field_map: dict | None = None,
                          split_ratio: tuple[float, float, float] = (1.0, 0.0, 0.0),
                          split_patterns: dict[str, list[str]] | None = None,
-                         tars: list[str] | None = None) -> IndexReport:
+                         tars: list[str] | None = None, exclude: list[str] | None = None) -> IndexReport:
     """Create or update ``dataset_dir/.nv-meta`` and the ``.tar.idx`` files (see the package doc).
+
+    ``exclude``: split.yaml's ``exclude`` list, ``"<tar>"`` or ``"<tar>/<key>"`` entries (the samples a
+    curation selection drops); energon's loader skips them, the index itself is unchanged.
 
     ``tars``: tar paths relative to ``dataset_dir`` to index (default: ``find_tars``, i.e. every
     ``**/*.tar`` without an ``.INCOMPLETE`` sidecar). Nothing is written if a tar is unreadable,
@@ -106,7 +110,7 @@ def update_energon_index(dataset_dir: str, *, sample_type: str, field_map: dict 
             written.append(sqlite_url)
     # 3. info before split: a split entry must always name a tar that info counts
     splits = _publish_documents(dataset_dir, shard_counts, plan.order, ratio, split_patterns,
-                                _previous_splits(state, split_rule, plan.order), definition, written)
+                                _previous_splits(state, split_rule, plan.order), definition, written, exclude)
     # 4. uuid, then our state: until both are written the next call does not trust the sqlite
     _write_if_changed(_meta(dataset_dir, fmt.INDEX_UUID), new_uuid.encode("utf-8"), written)
     _publish_state(dataset_dir, {"version": fmt.STATE_VERSION, "uuid": new_uuid, "generation": generation,
@@ -116,7 +120,7 @@ def update_energon_index(dataset_dir: str, *, sample_type: str, field_map: dict 
                        scanned_tars=[s.name for s in scans], kept_tars=plan.kept,
                        changed_tars=plan.changed, removed_tars=plan.dropped,
                        total_samples=sum(shard_counts.values()), uuid=new_uuid, index_changed=index_changed,
-                       files_written=written)
+                       files_written=written, excluded=len(exclude or []))
 
 
 # ---------------------------------------------------------------- arguments
@@ -239,13 +243,13 @@ def _previous_splits(state: dict | None, split_rule: dict, order: list[str]) -> 
 
 def _publish_documents(dataset_dir: str, shard_counts: dict[str, int], order: list[str], ratio, split_patterns,
                        previous: dict[str, list[str]] | None, definition: dict,
-                       written: list[str]) -> dict[str, list[str]]:
+                       written: list[str], exclude: list[str] | None = None) -> dict[str, list[str]]:
     """``.info.json``, ``.info.yaml``, then ``split.yaml`` and ``dataset.yaml``; returns the splits."""
     _write_if_changed(_meta(dataset_dir, fmt.INFO_JSON), fmt.info_json(shard_counts), written)
     _write_if_changed(_meta(dataset_dir, fmt.INFO_YAML), fmt.info_yaml(shard_counts), written)
     splits = assign_splits(order, ratio, split_patterns, previous)
     split_parts = {s: collapse_names(v) for s, v in splits.items()}
-    _write_if_changed(_meta(dataset_dir, fmt.SPLIT_YAML), fmt.split_yaml(split_parts), written)
+    _write_if_changed(_meta(dataset_dir, fmt.SPLIT_YAML), fmt.split_yaml(split_parts, exclude), written)
     _write_if_changed(_meta(dataset_dir, fmt.DATASET_YAML), fmt.dataset_yaml(definition), written)
     return splits
 

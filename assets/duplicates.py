@@ -1,0 +1,56 @@
+"""duplicates: exact and near duplicates across every image shard, updated as shards arrive."""
+
+import dagster as dg
+
+from assets.embeddings import clip_embeddings
+from assets.images import image_shards
+from assets.shard_runs import GLOBAL_AUTOMATION, versioned
+from resources.dataset import DatasetResource
+from shardprep.dedup import update_duplicates
+from shardprep.ledger import load_ledger
+from shardprep.storage import exists, lock, remove_tree
+from shardprep.versions import read_stamp, write_stamp
+
+
+def embedded_shards(dataset: DatasetResource) -> dict[str, str]:
+    """``{shard: identity}`` of the image shards whose embeddings are complete at the current version, in
+    ledger order; the identity (version and time of the embeddings' stamp) changes if they are made again."""
+    layout, version = dataset.layout, dataset.versions["clip_embeddings"]
+    ledger = load_ledger(layout)
+    out = {}
+    for key in ledger.keys() if ledger else []:
+        stamp = read_stamp(layout, "clip_embeddings", key)
+        if stamp and stamp["version"] == version and exists(layout.img_emb(key)):
+            out[key] = f"{stamp['version']}@{stamp.get('written_at')}"
+    return out
+
+
+@dg.asset(
+    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping())],
+    group_name="curation",
+    kinds={"faiss", "parquet"},
+    automation_condition=GLOBAL_AUTOMATION,
+)
+def duplicates(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/dedup/``: ``duplicates.parquet`` (``key``, ``kept_key``, ``similarity``, ``reason`` exact or
+    near, ``shard``) and ``shards/{shard}.parquet`` (every embedded sample's ``keep``), with ``dedup: true``.
+    A sample is dropped when an earlier kept one has the same image bytes or a CLIP image embedding at
+    cosine >= ``dedup_threshold``. Shards finished since the last update are checked against a FAISS
+    index of everything kept before; old shards are not read again."""
+    cfg, layout, version = dataset.config, dataset.layout, dataset.versions["duplicates"]
+    if not cfg.dedup:
+        if exists(layout.dedup_dir):  # turned off: no keep mask may outlive it
+            remove_tree(layout.dedup_dir)
+        return versioned(dataset, "duplicates", dg.MaterializeResult(metadata={"status": "off (dedup: false)"}))
+    shards = embedded_shards(dataset)
+    with lock(layout.root, "duplicates"):  # one update at a time, whoever launched it
+        r = update_duplicates(layout, shards, cfg.dedup_threshold)
+        write_stamp(layout, "duplicates", version)
+    context.log.info(f"dedup: {len(r.shards_added)} shard(s) added ({r.samples_added} samples: {r.exact} exact and "
+                     f"{r.near} near duplicates); {r.kept_total} kept in the index")
+    return versioned(dataset, "duplicates", dg.MaterializeResult(metadata={
+        "shards_added": len(r.shards_added), "samples_added": r.samples_added, "exact_duplicates_added": r.exact,
+        "near_duplicates_added": r.near, "kept_samples": r.kept_total, "duplicates": r.duplicates_total,
+        "rebuilt": r.rebuilt, "index": r.index, "threshold": cfg.dedup_threshold, "seconds": round(r.seconds, 2),
+        "path": dg.MetadataValue.path(layout.dedup_table)}))

@@ -1,0 +1,75 @@
+"""image_scores: aesthetic and NSFW scores of every image, from the CLIP embeddings already made."""
+
+import contextlib
+
+import dagster as dg
+
+from assets.embeddings import clip_embeddings
+from assets.partitions import shard_partitions
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, in_pool, lock_name, materialize_shards
+from resources.dataset import DatasetResource
+from shardprep.image_scores import write_image_scores
+from shardprep.scores import load_head
+from shardprep.storage import exists, lock
+from shardprep.verify import file_sizes
+from shardprep.versions import restamp_sizes
+
+WATERMARK_SKIPPED = ("watermark_model is set, but LAION's watermark detector reads decoded pixels, not CLIP "
+                     "embeddings; image_scores does not run it (no pwatermark column is written)")
+
+
+def histogram_markdown(counts: list[int], edges: list[float], width: int = 30) -> str:
+    """A histogram as a markdown table of text bars (the Dagster UI has no chart metadata)."""
+    top = max(counts) or 1
+    rows = [f"| {lo:.3g} to {hi:.3g} | {n} | {'█' * round(width * n / top)} |"
+            for n, lo, hi in zip(counts, edges, edges[1:])]
+    return "\n".join(["| score | samples | |", "|---|---:|---|", *rows])
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[clip_embeddings],
+    group_name="curation",
+    kinds={"parquet", "numpy"},
+    **in_pool("gpu"),
+    automation_condition=SHARD_AUTOMATION,
+)
+def image_scores(context: dg.AssetExecutionContext, config: ShardRunConfig,
+                 dataset: DatasetResource) -> dg.MaterializeResult:
+    """``<root>/scores/{shard}.parquet``: ``key``, ``aesthetic_score`` (LAION's aesthetic predictor, a 1-10
+    rating) and ``nsfw_score`` (LAION's punsafe) of every embedded sample, from the configured heads
+    (``aesthetic_model``, ``nsfw_model``) applied to the float32, L2-normalised CLIP image embeddings;
+    the score columns are also joined into clip-retrieval's metadata parquet. No head configured: no
+    file, status "no score model configured"."""
+    cfg, layout = dataset.config, dataset.layout
+    heads = {name: load_head(spec) for name, spec in (("aesthetic", cfg.aesthetic_model),
+                                                       ("nsfw", cfg.nsfw_model)) if spec is not None}
+    if cfg.watermark_model is not None:
+        context.log.warning(WATERMARK_SKIPPED)
+    models = {f"{n}_model": h.path for n, h in heads.items()}
+
+    def score(key: str) -> dict:
+        if not heads:
+            return {"status": "no score model configured (aesthetic_model, nsfw_model)", "samples": 0}
+        if not exists(layout.img_emb(key)):
+            return {"status": "no samples (shard has no embeddings)", "samples": 0, **models}
+        # the metadata parquet is clip_embeddings' file: rewritten under its lock, its stamp's size kept true
+        same = lock_name("clip_embeddings", key) == lock_name("image_scores", key)
+        with contextlib.nullcontext() if same else lock(layout.root, lock_name("clip_embeddings", key)):
+            report = write_image_scores(key, layout, heads)
+            restamp_sizes(layout, "clip_embeddings", key, file_sizes([layout.emb_metadata(key)]))
+        meta: dict = {"status": "written", "samples": report.samples, "seconds": round(report.seconds, 3),
+                      "path": dg.MetadataValue.path(layout.scores(key)), "dagster/row_count": report.samples, **models}
+        for col, stats in report.stats.items():
+            meta.update({f"{col}_{k}": round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
+        for col, (counts, edges) in report.histograms.items():
+            meta[f"{col}_histogram"] = dg.MetadataValue.md(histogram_markdown(counts, edges))
+        return meta
+
+    # a few float32 matrix products per shard, done with numpy on the CPU: the step takes a gpu pool slot
+    # (it follows the embedder on the same workers) but leases no device
+    result = materialize_shards(context, dataset, "image_scores", score, rebuild=config.rebuild,
+                                describe=lambda key: models)
+    if cfg.watermark_model is not None:
+        result = result._replace(metadata={**result.metadata, "watermark": WATERMARK_SKIPPED})
+    return result

@@ -1,0 +1,148 @@
+"""The dataset report's curation section: score histograms, the highest and lowest scored images by
+aesthetic score, duplicates side by side with the sample kept for them, and samples kept and dropped
+per rule (``selection/summary.json``).
+
+Scores are read from at most ``rows_per_shard`` evenly spaced rows of each shard's scores parquet (so
+the top and bottom images are those of the rows read; the page says how many); thumbnails are read from
+the image tars, one pass per shard that holds a shown image.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardprep import storage
+from shardprep.layout import Layout
+
+THUMBS = 8  # images per row of the top / bottom sheets
+DUPLICATE_PAIRS = 8
+IMAGE_MEMBERS = ("jpg", "png", "webp", "jpeg")
+
+
+@dataclass
+class CurationData:
+    aesthetic: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    nsfw: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    top: list[tuple[str, float]] = field(default_factory=list)  # (key, aesthetic score), best first
+    bottom: list[tuple[str, float]] = field(default_factory=list)  # worst first
+    pairs: list[dict] = field(default_factory=list)  # duplicates.parquet rows
+    duplicates: int = 0
+    selection: dict | None = None  # selection/summary.json
+    thumbs: dict[str, str] = field(default_factory=dict)  # key -> base64 JPEG
+
+    @property
+    def empty(self) -> bool:
+        return not (self.aesthetic.size or self.nsfw.size or self.duplicates or self.selection)
+
+
+def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> CurationData:
+    """What image_scores, duplicates and sample_selection wrote for ``shards`` (image shards)."""
+    data = CurationData()
+    keys, aesthetic, nsfw = [], [], []
+    for shard in shards:
+        url = layout.scores(shard)
+        if not storage.exists(url):
+            continue
+        t = storage.read_parquet(url)
+        rows = np.arange(t.num_rows) if t.num_rows <= rows_per_shard else \
+            np.unique(np.linspace(0, t.num_rows - 1, rows_per_shard).astype(np.int64))
+        t = t.take(rows)
+        if "aesthetic_score" in t.column_names:
+            keys += t.column("key").to_pylist()
+            aesthetic.append(t.column("aesthetic_score").to_numpy(zero_copy_only=False))
+        if "nsfw_score" in t.column_names:
+            nsfw.append(t.column("nsfw_score").to_numpy(zero_copy_only=False))
+    if aesthetic:
+        data.aesthetic = np.concatenate(aesthetic).astype(np.float64)
+        order = [i for i in np.argsort(data.aesthetic) if np.isfinite(data.aesthetic[i])]
+        data.top = [(keys[i], float(data.aesthetic[i])) for i in order[::-1][:THUMBS]]
+        data.bottom = [(keys[i], float(data.aesthetic[i])) for i in order[:THUMBS]]
+    if nsfw:
+        data.nsfw = np.concatenate(nsfw).astype(np.float64)
+    if storage.exists(layout.dedup_table):
+        t = storage.read_parquet(layout.dedup_table)
+        data.duplicates = t.num_rows
+        data.pairs = t.slice(0, DUPLICATE_PAIRS).to_pylist()
+    text = storage.read_text(layout.selection_summary)
+    data.selection = json.loads(text) if text else None
+    wanted = {k for k, _ in data.top + data.bottom} | {p[c] for p in data.pairs for c in ("key", "kept_key")}
+    data.thumbs = _thumbnails(layout, wanted, {s: len(s) for s in shards})
+    return data
+
+
+def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: int = 96) -> dict[str, str]:
+    """Base64 JPEG thumbnails of ``keys``, read from their shards' tars (a key starts with its shard id)."""
+    from PIL import Image
+
+    from shardprep.tars import iter_samples
+
+    by_shard: dict[str, set[str]] = {}
+    for key in keys:
+        shard = next((s for s in shards if key.startswith(s)), None)
+        if shard is not None:
+            by_shard.setdefault(shard, set()).add(key)
+    out = {}
+    for shard, wanted in by_shard.items():
+        if not storage.exists(layout.tar(shard)):
+            continue
+        for sample in iter_samples(layout.tar(shard)):
+            if sample["__key__"] not in wanted:
+                continue
+            data = next((sample[e] for e in IMAGE_MEMBERS if e in sample), None)
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    im = im.convert("RGB")
+                    im.thumbnail((size, size))
+                    buf = io.BytesIO()
+                    im.save(buf, "JPEG", quality=85)
+                out[sample["__key__"]] = base64.b64encode(buf.getvalue()).decode("ascii")
+            except Exception:  # noqa: BLE001 - a thumbnail that cannot be made is left out
+                continue
+            if len(out) == len(keys):
+                return out
+    return out
+
+
+def _thumb(data: CurationData, key: str, caption: str) -> str:
+    img = (f'<img src="data:image/jpeg;base64,{data.thumbs[key]}" alt="{html.escape(key)}">'
+           if key in data.thumbs else "<div>(no image)</div>")
+    return f'<figure class="thumb">{img}<figcaption>{html.escape(caption)}</figcaption></figure>'
+
+
+def curation_section(data: CurationData, hist, row, fmt) -> list[str]:
+    """HTML of the section; ``hist``, ``row``, ``fmt``: the report's histogram, table-row and number helpers."""
+    if data.empty:
+        return []
+    parts = ["<h2>Curation</h2>"]
+    for pid, values, title, xlabel in (("aesthetic_scores", data.aesthetic, "Aesthetic score", "score (1-10 scale)"),
+                                       ("nsfw_scores", data.nsfw, "NSFW score", "probability unsafe")):
+        if values.size:
+            png = hist(values[np.isfinite(values)], title, xlabel, "scores")
+            parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{title}">'
+                         f"<figcaption>{title} ({values.size:,} samples read)</figcaption></figure>")
+    for pid, title, items in (("top_aesthetic", "Highest aesthetic scores", data.top),
+                              ("bottom_aesthetic", "Lowest aesthetic scores", data.bottom)):
+        if items:
+            parts += [f"<h3>{title}</h3>", f'<div id="{pid}">',
+                      *[_thumb(data, k, f"{k}: {s:.3f}") for k, s in items], "</div>"]
+    if data.duplicates:
+        parts += [f"<h3>Duplicates ({data.duplicates:,}; the first {len(data.pairs)})</h3>", '<table id="duplicates">',
+                  row(["dropped", "kept", "reason", "similarity"], header=True)]
+        for p in data.pairs:
+            parts.append(f"<tr><td>{_thumb(data, p['key'], p['key'])}</td><td>{_thumb(data, p['kept_key'], p['kept_key'])}"
+                         f"</td><td>{html.escape(str(p['reason']))}</td><td>{p['similarity']:.4f}</td></tr>")
+        parts.append("</table>")
+    if data.selection:
+        s = data.selection
+        total = s["kept"] + s["dropped"]
+        parts += [f"<h3>Selection: {s['kept']:,} of {total:,} samples kept</h3>", '<table id="selection">',
+                  row(["rule", "value", "samples failing it", "dropped by it first"], header=True),
+                  *[row([r, v, fmt(s["failing_by_rule"].get(r, 0)), fmt(s["dropped_by_rule"].get(r, 0))])
+                    for r, v in s["rules"].items() if r != "dedup_threshold"], "</table>"]
+    return parts
