@@ -26,6 +26,24 @@ def histogram_markdown(counts: list[int], edges: list[float], width: int = 30) -
     return "\n".join(["| score | samples | |", "|---|---:|---|", *rows])
 
 
+def extremes_metadata(layout, key: str, n: int = 8) -> dict:
+    """The shard's ``n`` highest and lowest aesthetic scores as inline contact sheets (captions: the score)."""
+    from shardprep.contact_sheet import ContactSheetError, inline_image, render_sheet, samples_of
+    from shardprep.storage import read_parquet
+
+    t = read_parquet(layout.scores(key), ["key", "aesthetic_score"]).to_pandas().dropna().sort_values("aesthetic_score")
+    out = {}
+    for name, rows in (("top_by_aesthetic", t.iloc[::-1][:n]), ("bottom_by_aesthetic", t.iloc[:n])):
+        try:
+            samples = samples_of(layout.tar(key), {k: f"{s:.3f} {k}" for k, s in zip(rows["key"], rows["aesthetic_score"])})
+            if samples:
+                uri, _ = inline_image(render_sheet(samples, thumb=80))
+                out[name] = dg.MetadataValue.md(f"![{name.replace('_', ' ')} of shard {key}]({uri})")
+        except (ContactSheetError, OSError) as e:
+            out[name] = dg.MetadataValue.text(f"(no contact sheet: {type(e).__name__}: {e})")
+    return out
+
+
 @dg.asset(
     partitions_def=shard_partitions,
     deps=[clip_embeddings],
@@ -64,6 +82,8 @@ def image_scores(context: dg.AssetExecutionContext, config: ShardRunConfig,
             meta.update({f"{col}_{k}": round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
         for col, (counts, edges) in report.histograms.items():
             meta[f"{col}_histogram"] = dg.MetadataValue.md(histogram_markdown(counts, edges))
+        if "aesthetic" in heads:
+            meta.update(extremes_metadata(layout, key))
         return meta
 
     # a few float32 matrix products per shard, done with numpy on the CPU: the step takes a gpu pool slot

@@ -146,6 +146,27 @@ def contact_sheet(tar_url: str, max_images: int = 24, thumb: int = 96) -> bytes:
     samples = read_samples(tar_url, max_images)
     if not samples:
         raise ContactSheetError(f"shard tar {tar_url}: holds no image sample")
+    return render_sheet(samples, thumb)
+
+
+def samples_of(tar_url: str, captions: dict[str, str]) -> list[tuple[str, bytes, str]]:
+    """(key, image bytes, caption) of the samples named in ``captions`` (key -> caption shown), in the
+    order of ``captions``; the tar is read once, to its last wanted sample."""
+    found: dict[str, bytes] = {}
+    try:
+        with contextlib.closing(iter_samples(tar_url)) as samples:
+            for sample in samples:
+                if sample["__key__"] in captions and (image := _image_of(sample)) is not None:
+                    found[sample["__key__"]] = image
+                    if len(found) == len(captions):
+                        break
+    except (OSError, TarReadError) as e:
+        raise ContactSheetError(f"shard tar {tar_url}: cannot be read ({type(e).__name__}: {e})") from e
+    return [(k, found[k], c) for k, c in captions.items() if k in found]
+
+
+def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> bytes:
+    """PNG bytes of ``(key, image bytes, caption)`` thumbnails, ``COLUMNS`` per row (see contact_sheet)."""
     width, height = grid_size(len(samples), thumb)
     sheet = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(sheet)

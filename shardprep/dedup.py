@@ -159,7 +159,8 @@ def _index_add(work: _Work, vectors: np.ndarray, ivf_at: int, nprobe: int) -> No
     sample = np.concatenate([*(index.reconstruct_n(int(s), int(e - s))[picked[(picked >= s) & (picked < e)] - s]
                                for s, e in _chunks(held)), vectors[picked[picked >= held] - held]])
     ivf = faiss.index_factory(d, f"IVF{nlist},SQfp16", faiss.METRIC_INNER_PRODUCT)
-    faiss.extract_index_ivf(ivf).cp.niter = 10
+    clustering = faiss.extract_index_ivf(ivf).cp
+    clustering.niter, clustering.min_points_per_centroid = 10, 32  # k-means: 10 rounds, 32 points per list
     ivf.train(sample)
     del sample
     for s, e in _chunks(held):

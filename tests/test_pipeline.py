@@ -216,6 +216,12 @@ def check_scores(config: str, layout: Layout, embeddings: dict) -> dict:
         mine = scores.set_index("key").loc[meta["image_path"]]
         assert np.array_equal(meta["aesthetic_score"].to_numpy(), mine["aesthetic_score"].to_numpy())
         assert not verify_shard(layout, cfg, "clip_embeddings", shard).problems
+    # the UI's top and bottom contact sheets of a shard by aesthetic score
+    from assets.scores import extremes_metadata
+
+    sheets = extremes_metadata(layout, shard)
+    assert set(sheets) == {"top_by_aesthetic", "bottom_by_aesthetic"}
+    assert all(v.value.startswith("![") and "(data:image/" in v.value for v in sheets.values())
     return dict(zip(scores["key"], scores["aesthetic_score"].astype(float)))
 
 
