@@ -16,7 +16,7 @@ import string
 from PIL import Image, ImageDraw, ImageFont
 
 from shardprep.errors import ShardprepError
-from shardprep.tars import TarReadError, iter_samples
+from shardprep.tars import TarReadError, iter_samples, read_samples_by_key
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 VIDEO_EXTENSIONS = ("mp4", "webm")
@@ -151,18 +151,12 @@ def contact_sheet(tar_url: str, max_images: int = 24, thumb: int = 96) -> bytes:
 
 def samples_of(tar_url: str, captions: dict[str, str]) -> list[tuple[str, bytes, str]]:
     """(key, image bytes, caption) of the samples named in ``captions`` (key -> caption shown), in the
-    order of ``captions``; the tar is read once, to its last wanted sample."""
-    found: dict[str, bytes] = {}
+    order of ``captions``; only their members are read (``tars.read_samples_by_key``)."""
     try:
-        with contextlib.closing(iter_samples(tar_url)) as samples:
-            for sample in samples:
-                if sample["__key__"] in captions and (image := _image_of(sample)) is not None:
-                    found[sample["__key__"]] = image
-                    if len(found) == len(captions):
-                        break
+        found = read_samples_by_key(tar_url, set(captions))
     except (OSError, TarReadError) as e:
         raise ContactSheetError(f"shard tar {tar_url}: cannot be read ({type(e).__name__}: {e})") from e
-    return [(k, found[k], c) for k, c in captions.items() if k in found]
+    return [(k, image, c) for k, c in captions.items() if k in found and (image := _image_of(found[k])) is not None]
 
 
 def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> bytes:

@@ -4,7 +4,7 @@ per rule (``selection/summary.json``).
 
 Scores are read from at most ``rows_per_shard`` evenly spaced rows of each shard's scores parquet (so
 the top and bottom images are those of the rows read; the page says how many); thumbnails are read from
-the image tars, one pass per shard that holds a shown image.
+the image tars: their headers, then only the shown samples.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: in
     """Base64 JPEG thumbnails of ``keys``, read from their shards' tars (a key starts with its shard id)."""
     from PIL import Image
 
-    from shardprep.tars import iter_samples
+    from shardprep.tars import read_samples_by_key
 
     by_shard: dict[str, set[str]] = {}
     for key in keys:
@@ -91,9 +91,7 @@ def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: in
     for shard, wanted in by_shard.items():
         if not storage.exists(layout.tar(shard)):
             continue
-        for sample in iter_samples(layout.tar(shard)):
-            if sample["__key__"] not in wanted:
-                continue
+        for key, sample in read_samples_by_key(layout.tar(shard), wanted).items():
             data = next((sample[e] for e in IMAGE_MEMBERS if e in sample), None)
             try:
                 with Image.open(io.BytesIO(data)) as im:
@@ -101,11 +99,9 @@ def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: in
                     im.thumbnail((size, size))
                     buf = io.BytesIO()
                     im.save(buf, "JPEG", quality=85)
-                out[sample["__key__"]] = base64.b64encode(buf.getvalue()).decode("ascii")
+                out[key] = base64.b64encode(buf.getvalue()).decode("ascii")
             except Exception:  # noqa: BLE001 - a thumbnail that cannot be made is left out
                 continue
-            if len(out) == len(keys):
-                return out
     return out
 
 

@@ -332,6 +332,25 @@ def header_samples(url: str, handler: Callable[[Exception], bool] | None = None)
     return list(group_samples(((h.name, h) for h in headers), url, handler)), end
 
 
+def read_samples_by_key(url: str, keys: set[str]) -> dict[str, dict[str, bytes]]:
+    """``{key: {ext: bytes}}`` of the samples named in ``keys``: the headers are read, then only those
+    samples' payloads (a few thumbnails out of a large tar cost a few reads, not the whole tar)."""
+    samples, _ = header_samples(url, handler=lambda exn: True)
+    wanted = [s for s in samples if s["__key__"] in keys]
+    out: dict[str, dict[str, bytes]] = {}
+    if not wanted:
+        return out
+    with storage.open_read(url) as f:
+        for sample in wanted:
+            members = {}
+            for ext, header in sample.items():
+                if isinstance(header, MemberHeader):
+                    f.seek(header.data_offset)
+                    members[ext] = f.read(header.size)
+            out[sample["__key__"]] = members
+    return out
+
+
 def sample_keys(url: str) -> list[str]:
     """Sample keys of a tar in order, from its headers read to the end of the archive; a key whose
     members are not contiguous is listed each time it comes back (so checks can report duplicates)."""

@@ -25,6 +25,7 @@ from shardprep.tars import (
     iter_members,
     iter_samples,
     list_tars,
+    read_samples_by_key,
     read_headers,
 )
 
@@ -316,3 +317,23 @@ def test_list_tars(tmp_path):
         "00000.tar", "00001.tar", "empty.tar", "part.tar", "sub/00002.tar"]
     assert list_tars(str(tmp_path), skip_empty=True) == ["00000.tar", "00001.tar", "sub/00002.tar"]
     assert list_tars(str(tmp_path / "missing")) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_samples_read_by_key_are_the_streamed_ones(tmp_path, fmt):
+    """Headers first, then only the wanted samples' payloads, by offset: the same bytes as a full read."""
+    import io as _io
+
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for i in range(6):
+            long = 120 if fmt != tarfile.USTAR_FORMAT else 90  # GNU/PAX: a long-name header before it
+            key = f"{'k' * (long if i == 3 else 1)}{i:03d}"
+            for ext, data in (("jpg", bytes([i]) * (700 + i)), ("txt", f"caption {i}".encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, _io.BytesIO(data))
+    streamed = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in iter_samples(str(path))}
+    wanted = {list(streamed)[1], list(streamed)[3], "missing"}
+    assert read_samples_by_key(str(path), wanted) == {k: streamed[k] for k in wanted if k in streamed}
+    assert read_samples_by_key(str(path), {"missing"}) == {}
