@@ -306,7 +306,7 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
 
 
 # the head kinds (shardprep.scores) each score field takes
-SCORE_FIELDS = {"aesthetic_model": ("aesthetic_v2", "aesthetic_v1"), "nsfw_model": ("nsfw_l14", "nsfw_h14")}
+SCORE_FIELDS = {"aesthetic_model": ("aesthetic_v2", "aesthetic_v1"), "nsfw_model": ("nsfw_l14", "nsfw_b32", "nsfw_h14")}
 
 
 def _check_score_heads(cfg: DatasetConfig, origin: str) -> None:

@@ -13,6 +13,8 @@ clip-retrieval's normalised ``img_emb``). Heads, recognised by their state-dict 
 * ``nsfw_l14``: NeMo Curator's torch port of LAION's Keras L/14 detector (``clip_autokeras_binary_nsfw.pth``:
   ``norm.mean``/``norm.variance``, ``linear_1..4`` 768 -> 64 -> 512 -> 256 -> 1, ReLU, sigmoid):
   a probability, 1 = unsafe (LAION's ``punsafe``).
+* ``nsfw_b32``: the same port of LAION's Keras B/32 detector (``clip_autokeras_nsfw_b32``: norm, ``linear_1..3``
+  512 -> 32 -> 32 -> 1, ReLU, sigmoid; no port is published: convert the Keras weights to these keys).
 * ``nsfw_h14``: LAION's ``H14_NSFW_Detector`` (``h14_nsfw.pth``: ``layers.{0,3,6,9,12,15,16}``, 1024 -> ... -> 1,
   ReLU + dropout between, no sigmoid: its raw output, as clip-retrieval's ``predict`` returns it).
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from shardprep.errors import ShardprepError
 
-KINDS = ("aesthetic_v2", "aesthetic_v1", "nsfw_l14", "nsfw_h14")
+KINDS = ("aesthetic_v2", "aesthetic_v1", "nsfw_l14", "nsfw_b32", "nsfw_h14")
 
 
 class ScoreModelError(ShardprepError, ValueError):
@@ -158,8 +160,13 @@ def _load_head(path: str) -> ScoreHead:
             layer = _linear(state, "")
             kind, layers, relu = "aesthetic_v1", (layer,), ()
         elif {"norm.mean", "norm.variance"} <= keys:
-            layers = tuple(_linear(state, f"linear_{i}.") for i in range(1, 5))
-            head = ScoreHead(path, "nsfw_l14", int(layers[0][0].shape[1]), layers, (True, True, True, False),
+            count = sum(1 for k in keys if k.startswith("linear_") and k.endswith(".weight"))  # linear_1..n
+            layers = tuple(_linear(state, f"linear_{i}.") for i in range(1, count + 1))
+            kind = {4: "nsfw_l14", 3: "nsfw_b32"}.get(count)
+            if kind is None:
+                raise ScoreModelError(f"score head {path}: a normalised NSFW head with {count} linear layers; known: "
+                                      "4 (L/14) or 3 (B/32)")
+            head = ScoreHead(path, kind, int(layers[0][0].shape[1]), layers, (True,) * (count - 1) + (False,),
                              state["norm.mean"].reshape(-1), state["norm.variance"].reshape(-1), sigmoid=True)
             return _checked(head)
         elif indices("layers.") in ([0, 2, 4, 6, 7], [0, 3, 6, 9, 11]):

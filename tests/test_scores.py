@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shardprep.scores import ScoreModelError, load_head
+from tests.fixtures.score_heads import NsfwB32 as _NsfwB32
 from tests.fixtures.score_heads import NsfwH14 as _NsfwH14
 from tests.fixtures.score_heads import NsfwL14 as _NsfwL14
 from tests.fixtures.score_heads import aesthetic_v2 as _aesthetic_v2
@@ -34,6 +35,7 @@ def _reference(module: nn.Module, emb: np.ndarray) -> np.ndarray:
     ("sa_0_4_vit_b_32_linear.pth", lambda: nn.Linear(512, 1), 512, "aesthetic_v1"),
     ("sa_0_4_vit_l_14_linear.pth", lambda: nn.Linear(768, 1), 768, "aesthetic_v1"),
     ("clip_autokeras_binary_nsfw.pth", _NsfwL14, 768, "nsfw_l14"),
+    ("clip_autokeras_nsfw_b32.pth", _NsfwB32, 512, "nsfw_b32"),
     ("h14_nsfw.pth", _NsfwH14, 1024, "nsfw_h14"),
 ])
 def test_heads_score_like_the_published_modules(tmp_path, name, make, dim, kind):
@@ -48,7 +50,7 @@ def test_heads_score_like_the_published_modules(tmp_path, name, make, dim, kind)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # read normalised: the row stored 3x too long scores as its unit vector does
     np.testing.assert_allclose(head(emb[1:2].astype(np.float32) / 3), got[1:2], rtol=1e-3, atol=1e-4)
-    if kind == "nsfw_l14":
+    if kind in ("nsfw_l14", "nsfw_b32"):
         assert ((got > 0) & (got < 1)).all()  # a probability
 
 
