@@ -21,7 +21,6 @@ from shardprep.versions import stamped_version, write_stamp
 from shardprep.wdinfo import write_wdinfo
 
 
-
 class BalancedConfig(dg.Config):
     final: bool = False  # the dataset is complete: publish the last, short tar too (wdinfo excludes it)
 

@@ -2,8 +2,8 @@
 
 import dagster as dg
 
-from assets.embeddings import clip_embeddings
 from assets.duplicates import duplicates
+from assets.embeddings import clip_embeddings
 from assets.images import image_shards
 from assets.scores import image_scores
 from assets.selection import sample_selection

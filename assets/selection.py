@@ -7,20 +7,19 @@ from assets.images import image_shards
 from assets.scores import image_scores
 from assets.shard_runs import GLOBAL_AUTOMATION, versioned
 from resources.dataset import DatasetResource
+from shardprep.dedup import load_state
 from shardprep.ledger import load_ledger
 from shardprep.selection import SCORE_RULES, active_rules, update_selection
-from shardprep.storage import exists, lock, read_text
+from shardprep.storage import exists, lock
 from shardprep.versions import read_stamp, write_stamp
 
 
 def selection_inputs(dataset: DatasetResource, rules: dict) -> dict[str, str | None]:
     """``{shard: identity of what its selection reads}`` for the image shards whose download is complete
     (None: a score or keep mask a rule needs is not there yet), in ledger order."""
-    import json
-
     layout, versions = dataset.layout, dataset.versions
     ledger = load_ledger(layout)
-    dedup = json.loads(read_text(layout.dedup_state) or "{}").get("shards", {}) if rules.get("dedup") else {}
+    dedup = (load_state(layout) or {}).get("shards", {}) if rules.get("dedup") else {}
     out: dict[str, str | None] = {}
     for key in ledger.keys() if ledger else []:
         if ledger.media(key) != "image":

@@ -318,16 +318,15 @@ def _check_score_heads(cfg: DatasetConfig, origin: str) -> None:
     problems = [f"config field '{rule}': needs '{field}' (the head whose score it reads)"
                 for rule, field in (("aesthetic_min", "aesthetic_model"), ("nsfw_max", "nsfw_model"))
                 if getattr(cfg, rule) is not None and getattr(cfg, field) is None]
-    for name, kinds in SCORE_FIELDS.items():
-        spec = getattr(cfg, name)
-        if spec is None:
-            continue
+    configured = {name: getattr(cfg, name) for name in SCORE_FIELDS if getattr(cfg, name) is not None}
+    width = embedding_width(cfg.clip_model) if configured else None
+    for name, spec in configured.items():
+        kinds = SCORE_FIELDS[name]
         try:
             head = load_head(spec)
         except ScoreModelError as e:
             problems.append(f"config field '{name}': {e}")
             continue
-        width = embedding_width(cfg.clip_model)
         if head.kind not in kinds:
             problems.append(f"config field '{name}': {spec} is a {head.kind} head; allowed: {', '.join(kinds)}")
         elif width is not None and head.dim != width:

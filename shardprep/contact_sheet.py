@@ -43,7 +43,7 @@ def read_samples(tar_url: str, max_images: int) -> list[tuple[str, bytes, str]]:
     try:
         with contextlib.closing(iter_samples(tar_url)) as samples:
             for sample in samples:
-                image = _image_of(sample)
+                image = image_of(sample)
                 if image is None:
                     continue
                 out.append((sample["__key__"], image, sample.get("txt", b"").decode("utf-8", errors="replace")))
@@ -54,7 +54,8 @@ def read_samples(tar_url: str, max_images: int) -> list[tuple[str, bytes, str]]:
     return out
 
 
-def _image_of(members: dict) -> bytes | None:
+def image_of(members: dict) -> bytes | None:
+    """The image member of a sample (the first of IMAGE_EXTENSIONS it has), or None."""
     return next((members[e] for e in IMAGE_EXTENSIONS if e in members), None)
 
 
@@ -156,7 +157,7 @@ def samples_of(tar_url: str, captions: dict[str, str]) -> list[tuple[str, bytes,
         found = read_samples_by_key(tar_url, set(captions))
     except (OSError, TarReadError) as e:
         raise ContactSheetError(f"shard tar {tar_url}: cannot be read ({type(e).__name__}: {e})") from e
-    return [(k, image, c) for k, c in captions.items() if k in found and (image := _image_of(found[k])) is not None]
+    return [(k, image, c) for k, c in captions.items() if k in found and (image := image_of(found[k])) is not None]
 
 
 def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> bytes:

@@ -22,7 +22,6 @@ from shardprep.layout import Layout
 
 THUMBS = 8  # images per row of the top / bottom sheets
 DUPLICATE_PAIRS = 8
-IMAGE_MEMBERS = ("jpg", "png", "webp", "jpeg")
 
 
 @dataclass
@@ -43,6 +42,8 @@ class CurationData:
 
 def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> CurationData:
     """What image_scores, duplicates and sample_selection wrote for ``shards`` (image shards)."""
+    from shardprep.report import _spaced  # the report's own row sampling (it imports this module)
+
     data = CurationData()
     keys, aesthetic, nsfw = [], [], []
     for shard in shards:
@@ -50,9 +51,7 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         if not storage.exists(url):
             continue
         t = storage.read_parquet(url)
-        rows = np.arange(t.num_rows) if t.num_rows <= rows_per_shard else \
-            np.unique(np.linspace(0, t.num_rows - 1, rows_per_shard).astype(np.int64))
-        t = t.take(rows)
+        t = t.take(_spaced(t.num_rows, rows_per_shard))
         if "aesthetic_score" in t.column_names:
             keys += t.column("key").to_pylist()
             aesthetic.append(t.column("aesthetic_score").to_numpy(zero_copy_only=False))
@@ -72,14 +71,15 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
     text = storage.read_text(layout.selection_summary)
     data.selection = json.loads(text) if text else None
     wanted = {k for k, _ in data.top + data.bottom} | {p[c] for p in data.pairs for c in ("key", "kept_key")}
-    data.thumbs = _thumbnails(layout, wanted, {s: len(s) for s in shards})
+    data.thumbs = _thumbnails(layout, wanted, shards)
     return data
 
 
-def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: int = 96) -> dict[str, str]:
+def _thumbnails(layout: Layout, keys: set[str], shards: list[str], size: int = 96) -> dict[str, str]:
     """Base64 JPEG thumbnails of ``keys``, read from their shards' tars (a key starts with its shard id)."""
     from PIL import Image
 
+    from shardprep.contact_sheet import image_of
     from shardprep.tars import read_samples_by_key
 
     by_shard: dict[str, set[str]] = {}
@@ -92,9 +92,8 @@ def _thumbnails(layout: Layout, keys: set[str], shards: dict[str, int], size: in
         if not storage.exists(layout.tar(shard)):
             continue
         for key, sample in read_samples_by_key(layout.tar(shard), wanted).items():
-            data = next((sample[e] for e in IMAGE_MEMBERS if e in sample), None)
             try:
-                with Image.open(io.BytesIO(data)) as im:
+                with Image.open(io.BytesIO(image_of(sample))) as im:
                     im = im.convert("RGB")
                     im.thumbnail((size, size))
                     buf = io.BytesIO()

@@ -36,6 +36,7 @@ import numpy as np
 
 from shardprep import storage
 from shardprep.layout import Layout
+from shardprep.scores import unit_rows
 from shardprep.verify import parquet_rows
 
 FORMAT = 1
@@ -58,20 +59,13 @@ class DedupReport:
     seconds: float = 0.0
 
 
-def _normalised(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return np.ascontiguousarray(x / np.where(norms == 0, 1.0, norms))
-
-
 class _Work:
     """The local working copy of ``<root>/dedup/`` (index, SQLite, state) for one update."""
 
     def __init__(self, layout: Layout, tmp: str):
         self.layout, self.tmp = layout, tmp
         self.index_path, self.db_path = os.path.join(tmp, "index.faiss"), os.path.join(tmp, "dedup.sqlite")
-        text = storage.read_text(layout.dedup_state)
-        self.state = json.loads(text) if text else None
+        self.state = load_state(layout)
         self.index = None
         self.db: sqlite3.Connection | None = None
 
@@ -100,6 +94,12 @@ class _Work:
         return self.index is not None and self.index.ntotal == kept == self.state.get("kept")
 
 
+def load_state(layout: Layout) -> dict | None:
+    """``dedup/state.json``: the shards done (``shards``: shard -> embeddings' identity), threshold, counts."""
+    text = storage.read_text(layout.dedup_state)
+    return json.loads(text) if text else None
+
+
 def _shard_inputs(layout: Layout, shard: str) -> tuple[list[str], np.ndarray, list[str | None]]:
     """Keys (clip-retrieval metadata order), normalised float32 embeddings, and each key's sha256."""
     keys = storage.read_parquet(layout.emb_metadata(shard), ["image_path"]).column("image_path").to_pylist()
@@ -111,7 +111,7 @@ def _shard_inputs(layout: Layout, shard: str) -> tuple[list[str], np.ndarray, li
         t = storage.read_parquet(layout.shard_parquet(shard))
         if "sha256" in t.column_names:
             hashes = dict(zip(t.column("key").to_pylist(), t.column("sha256").to_pylist()))
-    return keys, _normalised(emb), [hashes.get(k) for k in keys]
+    return keys, unit_rows(emb), [hashes.get(k) for k in keys]
 
 
 def _within(emb: np.ndarray, candidates: np.ndarray, threshold: float) -> dict[int, list[tuple[int, float]]]:
@@ -270,6 +270,7 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
     """Bring ``<root>/dedup/`` up to date with ``shards`` (``{shard: identity of its embeddings}``, in
     arrival order): shards done before at the same identity are not read again; a done shard with a new
     identity or missing from ``shards``, or a new ``threshold``, starts everything over."""
+    import faiss
     import pyarrow as pa
 
     start = time.perf_counter()
@@ -310,41 +311,35 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
         kept = work.db.execute("SELECT COUNT(*) FROM kept").fetchone()[0]
         dups = list(work.db.execute("SELECT key, kept_key, similarity, reason, shard FROM dups ORDER BY shard, key"))
         work.db.close()
-        if todo or fresh:
-            import faiss
-
-            if work.index is None:  # no sample yet: an empty exact index keeps the files consistent
-                work.index = faiss.IndexFlatIP(dim or 1)
-            faiss.write_index(work.index, work.index_path)
-            storage.publish_file(work.index_path, layout.dedup_index)
-            storage.publish_file(work.db_path, layout.dedup_db)
-            for shard in todo:
-                storage.publish_file(os.path.join(tmp, "masks", f"{shard}.parquet"), layout.dedup_shard(shard))
-            if fresh and storage.exists(layout.dedup_shards_dir):  # masks of shards no longer in the dataset
-                fs, path = storage.url_to_fs(layout.dedup_shards_dir)
-                for name in fs.ls(path, detail=False):
-                    if name.rsplit("/", 1)[-1].removesuffix(".parquet") not in done:
-                        fs.rm(name)
-            storage.write_parquet(layout.dedup_table, pa.table({
-                "key": pa.array([r[0] for r in dups], pa.string()),
-                "kept_key": pa.array([r[1] for r in dups], pa.string()),
-                "similarity": pa.array([r[2] for r in dups], pa.float32()),
-                "reason": pa.array([r[3] for r in dups], pa.string()),
-                "shard": pa.array([r[4] for r in dups], pa.string())}))
-            # last: what the index and the SQLite file hold
-            storage.write_bytes(layout.dedup_state, json.dumps({
-                "format": FORMAT, "threshold": threshold, "dim": dim, "kept": kept, "shards": done,
-                "index": "flat" if isinstance(work.index, faiss.IndexFlat) else "ivf"}).encode())
+        # publish (something is new, or everything was made again: "nothing new" returned above)
+        if work.index is None:  # no sample yet: an empty exact index keeps the files consistent
+            work.index = faiss.IndexFlatIP(dim or 1)
+        faiss.write_index(work.index, work.index_path)
+        storage.publish_file(work.index_path, layout.dedup_index)
+        storage.publish_file(work.db_path, layout.dedup_db)
+        for shard in todo:
+            storage.publish_file(os.path.join(tmp, "masks", f"{shard}.parquet"), layout.dedup_shard(shard))
+        if fresh and storage.exists(layout.dedup_shards_dir):  # masks of shards no longer in the dataset
+            fs, path = storage.url_to_fs(layout.dedup_shards_dir)
+            for name in fs.ls(path, detail=False):
+                if name.rsplit("/", 1)[-1].removesuffix(".parquet") not in done:
+                    fs.rm(name)
+        storage.write_parquet(layout.dedup_table, pa.table({
+            "key": pa.array([r[0] for r in dups], pa.string()),
+            "kept_key": pa.array([r[1] for r in dups], pa.string()),
+            "similarity": pa.array([r[2] for r in dups], pa.float32()),
+            "reason": pa.array([r[3] for r in dups], pa.string()),
+            "shard": pa.array([r[4] for r in dups], pa.string())}))
+        report.index = "flat" if isinstance(work.index, faiss.IndexFlat) else "ivf"
+        # last: what the index and the SQLite file hold
+        storage.write_bytes(layout.dedup_state, json.dumps({
+            "format": FORMAT, "threshold": threshold, "dim": dim, "kept": kept, "shards": done,
+            "index": report.index}).encode())
         report.kept_total, report.duplicates_total = kept, len(dups)
-        report.index = (json.loads(storage.read_text(layout.dedup_state) or "{}")).get("index", "flat")
     report.seconds = time.perf_counter() - start
     return report
 
 
 def keep_mask(layout: Layout, shard: str) -> dict[str, bool] | None:
     """``{key: keep}`` of ``shard``, or None when it has not been de-duplicated."""
-    url = layout.dedup_shard(shard)
-    if not storage.exists(url):
-        return None
-    t = storage.read_parquet(url, ["key", "keep"])
-    return dict(zip(t.column("key").to_pylist(), t.column("keep").to_pylist()))
+    return storage.read_keyed(layout.dedup_shard(shard), "keep")

@@ -38,6 +38,13 @@ from shardprep.errors import ShardprepError
 KINDS = ("aesthetic_v2", "aesthetic_v1", "nsfw_l14", "nsfw_b32", "nsfw_h14")
 
 
+def unit_rows(embeddings: np.ndarray) -> np.ndarray:
+    """Rows as float32 unit vectors (clip-retrieval stores float16; a zero row stays zero), contiguous."""
+    x = np.asarray(embeddings, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.ascontiguousarray(x / np.where(norms == 0, 1.0, norms))
+
+
 class ScoreModelError(ShardprepError, ValueError):
     """A score head's file cannot be read, is not a known head, or does not fit the embeddings."""
 
@@ -63,8 +70,7 @@ class ScoreHead:
         if x.ndim != 2 or x.shape[1] != self.dim:
             raise ScoreModelError(f"score head {self.path} ({self.kind}) reads {self.dim}-wide embeddings, got "
                                   f"shape {tuple(x.shape)}: it was trained on another CLIP model's embeddings")
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
-        x = x / np.where(norms == 0, 1.0, norms)
+        x = unit_rows(x)
         if self.mean is not None:
             x = (x - self.mean) / np.sqrt(self.variance)
         for i, (w, b) in enumerate(self.layers):

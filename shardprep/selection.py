@@ -86,10 +86,7 @@ def select_shard(layout: Layout, shard: str, rules: dict) -> tuple[list[str], np
 
 
 def _read_mask(url: str, column: str) -> dict:
-    if not storage.exists(url):
-        return {}
-    t = storage.read_parquet(url, ["key", column])
-    return dict(zip(t.column("key").to_pylist(), t.column(column).to_pylist()))
+    return storage.read_keyed(url, column) or {}
 
 
 def update_selection(layout: Layout, inputs: dict[str, str | None], rules: dict) -> SelectionReport:
@@ -149,10 +146,33 @@ def selected_keys(layout: Layout, shard: str) -> set[str] | None:
 
 
 def selected_in(url: str) -> set[str] | None:
-    if not storage.exists(url):
-        return None
-    t = storage.read_parquet(url, ["key", "keep"])
-    return {k for k, keep in zip(t.column("key").to_pylist(), t.column("keep").to_pylist()) if keep}
+    keep = storage.read_keyed(url, "keep")
+    return None if keep is None else {k for k, kept in keep.items() if kept}
+
+
+class SelectionFiles:
+    """The kept keys of each shard from ``<root>/selection/{shard}.parquet`` files at ``url`` (what the
+    loaders' ``selection_url`` names), each file read once, when its shard first comes up; a shard with
+    no file yet keeps nothing."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self._kept: dict[str, set[str]] = {}
+        self._width: int | None = None
+
+    def keys(self, shard: str) -> set[str]:
+        if shard not in self._kept:
+            self._kept[shard] = selected_in(f"{self.url}/{shard}.parquet") or set()
+        return self._kept[shard]
+
+    def __contains__(self, key: str) -> bool:
+        """Whether the sample ``key`` is kept (a key starts with its shard id, as wide as the files' names)."""
+        if self._width is None:
+            fs, path = storage.url_to_fs(self.url)
+            names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)] if fs.exists(path) else []
+            shards = [n.removesuffix(".parquet") for n in names if n.endswith(".parquet")]
+            self._width = len(shards[0]) if shards else 0
+        return key in self.keys(key[:self._width])
 
 
 def is_selecting(layout: Layout) -> bool:
@@ -174,10 +194,9 @@ def energon_excludes(layout: Layout, tars: list[str]) -> list[str]:
     for name, shard in shards.items():
         if media.get(shard, "image") != "image":
             continue
-        url = layout.selection(shard)
-        if not storage.exists(url):
+        keep = storage.read_keyed(layout.selection(shard), "keep")
+        if keep is None:
             out.append(name)
             continue
-        t = storage.read_parquet(url, ["key", "keep"])
-        out += [f"{name}/{k}" for k, keep in zip(t.column("key").to_pylist(), t.column("keep").to_pylist()) if not keep]
+        out += [f"{name}/{k}" for k, kept in keep.items() if not kept]
     return out

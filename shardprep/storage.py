@@ -321,6 +321,14 @@ def read_parquet(url: str, columns: list[str] | None = None):
         return pq.read_table(f, columns=columns)
 
 
+def read_keyed(url: str, column: str, key: str = "key") -> dict | None:
+    """``{key: value of column}`` of a parquet file's rows, or None when there is no file."""
+    if not exists(url):
+        return None
+    t = read_parquet(url, [key, column])
+    return dict(zip(t.column(key).to_pylist(), t.column(column).to_pylist()))
+
+
 def write_parquet(url: str, table) -> None:
     import pyarrow.parquet as pq
 

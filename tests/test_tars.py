@@ -25,8 +25,8 @@ from shardprep.tars import (
     iter_members,
     iter_samples,
     list_tars,
-    read_samples_by_key,
     read_headers,
+    read_samples_by_key,
 )
 
 NAMES = [

@@ -170,16 +170,11 @@ def verify_keys(samples, required_keys, handler=wds.handlers.reraise_exception):
 def select_samples(samples, selection_url: str):
     """Only the samples the curation selection keeps (``<selection_url>/{shard}.parquet``, written by the
     ``sample_selection`` asset); a tar with no selection file yet gives none."""
-    from shardprep.selection import selected_in
+    from shardprep.selection import SelectionFiles
 
-    current, keys = None, set()
+    selection = SelectionFiles(selection_url)
     for sample in samples:
-        url = sample["__url__"]
-        if url != current:
-            current = url
-            name = url.rsplit("/", 1)[-1].removesuffix(".tar")
-            keys = selected_in(f"{selection_url.rstrip('/')}/{name}.parquet") or set()
-        if sample["__key__"] in keys:
+        if sample["__key__"] in selection.keys(sample["__url__"].rsplit("/", 1)[-1].removesuffix(".tar")):
             yield sample
 
 

@@ -86,10 +86,12 @@ class PriorEmbeddingDataset(IterableDataset):
         if self.text_conditioned:
             from clip import tokenize  # clip-anytorch; imported here so decoder users skip it
 
-            kept = _Selection(self.selection_url) if self.selection_url is not None else None
+            from shardprep.selection import SelectionFiles
+
+            kept = SelectionFiles(self.selection_url) if self.selection_url is not None else None
             for image_embedding, meta in self.image_reader(**args):
                 if kept is not None:  # only the selected rows: a batch may come out shorter
-                    rows = [i for i, key in enumerate(meta["image_path"]) if kept(key)]
+                    rows = [i for i, key in enumerate(meta["image_path"]) if key in kept]
                     if not rows:
                         continue
                     image_embedding, meta = image_embedding[rows], meta.iloc[rows]
@@ -97,29 +99,6 @@ class PriorEmbeddingDataset(IterableDataset):
         else:
             for (image_embedding, _), (text_embedding, _) in zip(self.image_reader(**args), self.text_reader(**args)):
                 yield from_numpy(image_embedding), from_numpy(text_embedding)
-
-
-class _Selection:
-    """``key -> kept?`` from ``<root>/selection/{shard}.parquet`` files (a key starts with its shard id),
-    each shard's file read when its first key comes; a shard without a file keeps nothing."""
-
-    def __init__(self, url: str):
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(url)
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-        self.url = url.rstrip("/")
-        self.shards = sorted(n.removesuffix(".parquet") for n in names if n.endswith(".parquet"))
-        self.width = len(self.shards[0]) if self.shards else 0
-        self.kept: dict[str, set] = {}
-
-    def __call__(self, key: str) -> bool:
-        from shardprep.selection import selected_in
-
-        shard = key[:self.width]
-        if shard not in self.kept:
-            self.kept[shard] = selected_in(f"{self.url}/{shard}.parquet") or set()
-        return key in self.kept[shard]
 
 
 def distribute_to_rank(start: int, stop: int, rank: int, world_size: int) -> tuple[int, int]:
