@@ -6,23 +6,10 @@ from assets.embeddings import clip_embeddings
 from assets.images import image_shards
 from assets.shard_runs import GLOBAL_AUTOMATION, versioned
 from resources.dataset import DatasetResource
-from shardprep.dedup import update_duplicates
-from shardprep.ledger import load_ledger
+from shardprep.dedup import embedded_shards, update_duplicates
+from shardprep.selection import shards_with_samples
 from shardprep.storage import exists, lock, remove_tree
-from shardprep.versions import read_stamp, write_stamp
-
-
-def embedded_shards(dataset: DatasetResource) -> dict[str, str]:
-    """``{shard: identity}`` of the image shards whose embeddings are complete at the current version, in
-    ledger order; the identity (version and time of the embeddings' stamp) changes if they are made again."""
-    layout, version = dataset.layout, dataset.versions["clip_embeddings"]
-    ledger = load_ledger(layout)
-    out = {}
-    for key in ledger.keys() if ledger else []:
-        stamp = read_stamp(layout, "clip_embeddings", key)
-        if stamp and stamp["version"] == version and exists(layout.img_emb(key)):
-            out[key] = f"{stamp['version']}@{stamp.get('written_at')}"
-    return out
+from shardprep.versions import write_stamp
 
 
 @dg.asset(
@@ -43,7 +30,14 @@ def duplicates(context: dg.AssetExecutionContext, dataset: DatasetResource) -> d
         if exists(layout.dedup_dir):  # turned off: no keep mask may outlive it
             remove_tree(layout.dedup_dir)
         return versioned(dataset, "duplicates", dg.MaterializeResult(metadata={"status": "off (dedup: false)"}))
-    shards = embedded_shards(dataset)
+    shards = embedded_shards(layout, dataset.versions["clip_embeddings"])
+    if not shards:
+        # nothing to compare: materializing would claim a dedup of samples nobody looked at
+        waiting = shards_with_samples(layout, dataset.versions["image_shards"])
+        if waiting:
+            raise dg.Failure(description=f"no image shard has CLIP embeddings at the current version: the "
+                             f"{len(waiting)} shard(s) with samples ({', '.join(waiting[:5])}"
+                             f"{', ...' if len(waiting) > 5 else ''}) wait for clip_embeddings")
     with lock(layout.root, "duplicates"):  # one update at a time, whoever launched it
         r = update_duplicates(layout, shards, cfg.dedup_threshold)
         write_stamp(layout, "duplicates", version)

@@ -12,11 +12,10 @@ from assets.selection import sample_selection
 from assets.shard_runs import GLOBAL_AUTOMATION, gpu_device, in_pool, versioned
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
-from shardprep.balanced import complete_tar_counts, load_state, update_balanced_shards
-from shardprep.ledger import load_ledger
-from shardprep.precache import write_precached_encodings
+from shardprep.balanced import complete_tar_counts, source_identities, update_balanced_shards
+from shardprep.precache import plan_precache, record_sources, write_precached_encodings
 from shardprep.selection import active_rules, selected_keys
-from shardprep.storage import exists, read_bytes, remove_tree
+from shardprep.storage import exists, lock, read_bytes, remove, remove_tree
 from shardprep.versions import stamped_version, write_stamp
 from shardprep.wdinfo import write_wdinfo
 
@@ -42,31 +41,29 @@ def _start_over_if_outdated(layout, folder: str, artifact: str, version: str) ->
 )
 def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
                     dataset: DatasetResource) -> dg.MaterializeResult:
-    """``<root>/balanced/{n}.tar``: tars of exactly ``tar_chunk_size`` successful samples in shard order
-    (NeMo's reorganize_tar). Finished image shards are consumed once; the short last tar carries an
-    ``.INCOMPLETE`` marker until it fills."""
+    """``<root>/balanced/{n}.tar``: tars of exactly ``tar_chunk_size`` successful samples (NeMo's
+    reorganize_tar). New image shards fill them in shard order; a shard made again (reshard) has its
+    changed samples replaced and its gone samples removed, only in the tars that hold them; the short
+    last tar carries an ``.INCOMPLETE`` marker until it fills."""
     cfg, layout, version = dataset.config, dataset.layout, dataset.versions["balanced_shards"]
-    rebuilt = _start_over_if_outdated(layout, layout.balanced_dir, "balanced_shards", version)
-    ledger = load_ledger(layout)
-    state = load_state(layout) or {}
-    consumed = list(state.get("consumed", []))
-    done = set(consumed)
-    # shards in ledger order whose image step finished; an unfinished one is picked up by a later update
-    # (and, with curation rules, selected: a shard without its selection yet waits)
     selecting = bool(active_rules(cfg))
-    ready = [s for s in (ledger.keys() if ledger else []) if s not in done and exists(layout.shard_stats(s))
-             and (not selecting or not exists(layout.tar(s)) or exists(layout.selection(s)))]
-    waiting = [s for s in (ledger.keys() if ledger else []) if s not in done and s not in ready]
-    r = update_balanced_shards(layout, consumed + ready, chunk_size=cfg.tar_chunk_size, final=config.final,
-                               selected=(lambda shard: selected_keys(layout, shard)) if selecting else None)
-    write_stamp(layout, "balanced_shards", version)
+    with lock(layout.root, "balanced_shards"):  # one update at a time, whoever launched it
+        rebuilt = _start_over_if_outdated(layout, layout.balanced_dir, "balanced_shards", version)
+        sources = source_identities(layout, dataset.versions, selecting)
+        r = update_balanced_shards(layout, sources, chunk_size=cfg.tar_chunk_size, final=config.final,
+                                   selected=(lambda shard: selected_keys(layout, shard)) if selecting else None)
+        write_stamp(layout, "balanced_shards", version)
+    if r.rebuilt:
+        context.log.warning(f"balanced tars written again from the shards: {r.rebuilt}")
     return versioned(dataset, "balanced_shards", dg.MaterializeResult(metadata={
-        "rebuilt_for_new_version": rebuilt, "version": version,
+        "rebuilt_for_new_version": rebuilt, "rebuilt_because": r.rebuilt or "", "version": version,
         "complete_tars": len(r.complete_tars), "new_complete_tars": len(r.new_complete_tars),
+        "rewritten_tars": len(r.rewritten_tars), "removed_tars": len(r.removed_tars),
         "partial_tar_samples": r.partial_count, "samples_added": r.samples_added,
-        "total_samples": r.total_samples, "shards_consumed": len(consumed) + len(ready),
-        "shards_waiting": len(waiting), "chunk_size": r.chunk_size, "changed": r.changed,
-        "path": dg.MetadataValue.path(layout.balanced_dir)}))
+        "samples_replaced": r.samples_replaced, "samples_removed": r.samples_removed,
+        "total_samples": r.total_samples, "shards_consumed": sum(v is not None for v in sources.values()),
+        "shards_changed": len(r.changed_shards), "shards_waiting": sum(v is None for v in sources.values()),
+        "chunk_size": r.chunk_size, "changed": r.changed, "path": dg.MetadataValue.path(layout.balanced_dir)}))
 
 
 def _wdinfo_lists_complete_tars(tar_dir: str, wdinfo_url: str) -> dg.AssetCheckResult:
@@ -111,27 +108,36 @@ def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResou
                         nemo: NemoEncoders) -> dg.MaterializeResult:
     """``<root>/precached/{n}.tar`` per complete balanced tar: ``{key}.pickle`` with NeMo Stable Diffusion's
     ``autoencoderkl_image`` (mean‖logvar, float16) and ``clip-vit-large-patch14_text`` (float32, padded to
-    a multiple of 8), plus ``precached/wdinfo.pkl``. Only tars not yet encoded are encoded."""
+    a multiple of 8), plus ``precached/wdinfo.pkl``. Only tars not encoded yet, or whose samples changed
+    since (their digest in the balanced state), are encoded; encodings of tars no longer complete go."""
     cfg, layout, version = dataset.config, dataset.layout, dataset.versions["precached_encodings"]
-    rebuilt = _start_over_if_outdated(layout, layout.precached_dir, "precached_encodings", version)
-    todo = [int(name.split(".")[0]) for name in sorted(complete_tar_counts(layout.balanced_dir))]
-    todo = [i for i in todo if not exists(layout.precached_tar(i))]
-    encoded, seconds, nonfinite, device_name = 0, 0.0, [], ""
-    if todo:
-        with gpu_device(context, dataset) as device:
-            device_name = device.name
-            for i in todo:
-                r = write_precached_encodings(
-                    layout.balanced_tar(i), layout.precached_tar(i), nemo.sd_autoencoder(device.torch_device),
-                    nemo.clip_text(device.torch_device), keep_original=cfg.precache_keep_original,
-                    resolution=cfg.precache_resolution, batch_size=cfg.nemo_batch_size)
-                encoded, seconds, nonfinite = encoded + r.samples, seconds + r.seconds, nonfinite + r.nonfinite_keys
-                context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
-    info = write_wdinfo(layout.precached_dir, layout.precached_wdinfo, cfg.tar_chunk_size) if todo or exists(
-        layout.precached_wdinfo) else {"tar_files": []}
-    write_stamp(layout, "precached_encodings", version)
+    with lock(layout.root, "precached_encodings"):
+        rebuilt = _start_over_if_outdated(layout, layout.precached_dir, "precached_encodings", version)
+        plan = plan_precache(layout)
+        recorded = {i: d for i, d in plan.recorded.items() if i not in plan.gone}
+        for i in plan.gone:
+            remove(layout.precached_tar(i))
+        if plan.gone:
+            record_sources(layout, recorded)
+        encoded, seconds, nonfinite, device_name = 0, 0.0, [], ""
+        if plan.todo:
+            with gpu_device(context, dataset) as device:
+                device_name = device.name
+                for i in plan.todo:
+                    r = write_precached_encodings(
+                        layout.balanced_tar(i), layout.precached_tar(i), nemo.sd_autoencoder(device.torch_device),
+                        nemo.clip_text(device.torch_device), keep_original=cfg.precache_keep_original,
+                        resolution=cfg.precache_resolution, batch_size=cfg.nemo_batch_size)
+                    recorded[i] = plan.digests[i]
+                    record_sources(layout, recorded)  # after each tar: a crash keeps what was encoded
+                    encoded, seconds, nonfinite = encoded + r.samples, seconds + r.seconds, nonfinite + r.nonfinite_keys
+                    context.log.info(f"precached {layout.precached_tar(i)}: {r.samples} samples in {r.seconds:.1f}s")
+        changed = plan.todo or plan.gone or not exists(layout.precached_wdinfo)
+        info = write_wdinfo(layout.precached_dir, layout.precached_wdinfo, cfg.tar_chunk_size) if changed and \
+            exists(layout.precached_dir) else {"tar_files": sorted(recorded)}
+        write_stamp(layout, "precached_encodings", version)
     return versioned(dataset, "precached_encodings", dg.MaterializeResult(metadata={
-        "rebuilt_for_new_version": rebuilt, "version": version,
-        "new_tars": len(todo), "samples_encoded": encoded, "seconds": round(seconds, 3), "device": device_name,
-        "nonfinite_samples": dg.MetadataValue.json(nonfinite[:50]), "tar_files": len(info["tar_files"]),
-        "path": dg.MetadataValue.path(layout.precached_dir)}))
+        "rebuilt_for_new_version": rebuilt, "version": version, "new_tars": len(plan.todo),
+        "removed_tars": len(plan.gone), "samples_encoded": encoded, "seconds": round(seconds, 3),
+        "device": device_name, "nonfinite_samples": dg.MetadataValue.json(nonfinite[:50]),
+        "tar_files": len(info["tar_files"]), "path": dg.MetadataValue.path(layout.precached_dir)}))

@@ -7,41 +7,9 @@ from assets.images import image_shards
 from assets.scores import image_scores
 from assets.shard_runs import GLOBAL_AUTOMATION, versioned
 from resources.dataset import DatasetResource
-from shardprep.dedup import load_state
-from shardprep.ledger import load_ledger
-from shardprep.selection import SCORE_RULES, active_rules, update_selection
-from shardprep.storage import exists, lock
-from shardprep.versions import read_stamp, write_stamp
-
-
-def selection_inputs(dataset: DatasetResource, rules: dict) -> dict[str, str | None]:
-    """``{shard: identity of what its selection reads}`` for the image shards whose download is complete
-    (None: a score or keep mask a rule needs is not there yet), in ledger order."""
-    layout, versions = dataset.layout, dataset.versions
-    ledger = load_ledger(layout)
-    dedup = (load_state(layout) or {}).get("shards", {}) if rules.get("dedup") else {}
-    out: dict[str, str | None] = {}
-    for key in ledger.keys() if ledger else []:
-        if ledger.media(key) != "image":
-            continue
-        images = read_stamp(layout, "image_shards", key)
-        if not images or images["version"] != versions["image_shards"] or not exists(layout.shard_parquet(key)):
-            continue
-        parts = [f"images@{images.get('written_at')}"]
-        if SCORE_RULES.keys() & rules.keys():
-            scores = read_stamp(layout, "image_scores", key)
-            if not scores or scores["version"] != versions["image_scores"]:
-                out[key] = None
-                continue
-            parts.append(f"scores@{scores.get('written_at')}")
-        if rules.get("dedup"):
-            has_tar = exists(layout.tar(key))
-            if has_tar and key not in dedup:
-                out[key] = None
-                continue
-            parts.append(f"dedup@{dedup.get(key)}")
-        out[key] = ";".join(parts)
-    return out
+from shardprep.selection import active_rules, selection_inputs, shards_with_samples, update_selection
+from shardprep.storage import lock
+from shardprep.versions import write_stamp
 
 
 @dg.asset(
@@ -60,8 +28,16 @@ def sample_selection(context: dg.AssetExecutionContext, dataset: DatasetResource
     every sample is used."""
     layout, version = dataset.layout, dataset.versions["sample_selection"]
     rules = active_rules(dataset.config)
+    inputs = selection_inputs(layout, dataset.versions, rules) if rules else {}
+    with_samples = set(shards_with_samples(layout, dataset.versions["image_shards"])) if rules else set()
+    if with_samples and all(inputs.get(s) is None for s in with_samples):
+        # every shard with samples waits for a score or keep mask: a selection of nothing is no selection
+        waiting = sorted(with_samples)
+        raise dg.Failure(description=f"no image shard can be selected yet: the {len(waiting)} shard(s) with samples "
+                         f"({', '.join(waiting[:5])}{', ...' if len(waiting) > 5 else ''}) wait for the scores or "
+                         "keep masks the rules read (image_scores, duplicates)")
     with lock(layout.root, "sample_selection"):
-        r = update_selection(layout, selection_inputs(dataset, rules) if rules else {}, rules)
+        r = update_selection(layout, inputs, rules)
         write_stamp(layout, "sample_selection", version)
     if not rules:
         return versioned(dataset, "sample_selection", dg.MaterializeResult(

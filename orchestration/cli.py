@@ -20,6 +20,8 @@ def print_summary(summary) -> None:
           f"failed: {len(summary.failed)}")
     for backfill_id in summary.backfills:
         print(f"backfill {backfill_id} (in the UI: Overview > Backfills)")
+    for backfill_id in summary.waited_on:
+        print(f"waited for backfill {backfill_id} of another process, which had some of this work in flight")
     for url in summary.appended_sources:
         print(f"note: rows appended to {url} became new shards")
     for url in summary.empty_sources:
@@ -52,7 +54,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _verify(config: str, mark: bool):
     from orchestration.instance import get_instance
     from orchestration.verify import verify_dataset
+    from resources.dataset import config_url
+    from shardprep.config import load_config
 
+    load_config(config_url(config))  # a bad config is named before the instance is opened
     report = verify_dataset(config, get_instance(), mark=mark)
     print(report.summary())
     return report

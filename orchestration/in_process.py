@@ -9,7 +9,7 @@ import sys
 
 import dagster as dg
 
-from orchestration.plan import globals_needed
+from orchestration.plan import globals_needed, newest_materialization
 from orchestration.runner import Plan, RunSummary, Stop
 from resources.dataset import HOST_TAG, PID_TAG
 
@@ -17,10 +17,11 @@ QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}
 
 
 def _failure_message(result: dg.ExecuteInProcessResult) -> str:
+    from orchestration.launch import error_cause
+
     for event in result.all_events:
         if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            err = event.step_failure_data.error
-            return f"{event.step_key}: {err.message.strip().splitlines()[0]}"
+            return f"{event.step_key}: {error_cause(event.step_failure_data.error)}"
     return "run failed"
 
 
@@ -53,6 +54,7 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
                     summary.failed[shard] = _failure_message(result)
                 bar.set_postfix(failed=len(summary.failed))
             # the unpartitioned outputs (balanced tars, wdinfo, precache, energon indexes) catch up in one run
+            summary.shards_settled = newest_materialization(instance, plan.shard_keys)
             if stop.received() is None and (plan.rebuild or globals_needed(instance, plan.shard_keys,
                                                                            plan.global_keys, plan.versions)):
                 bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")

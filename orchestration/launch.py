@@ -38,9 +38,10 @@ Pairs = dict[dg.AssetKey, set[str]]  # asset -> shards (unpartitioned assets: {"
 _spawned: dict[str, subprocess.Popen] = {}  # instance root -> the private daemon this process started
 
 
-def ensure_daemon(instance: dg.DagsterInstance) -> str:
-    """Make sure a daemon turns backfills into runs and launches them: ``external`` (a dagster-daemon
-    serves the instance), ``private`` (ours runs), or ``started`` (ours was started now)."""
+def daemon_serving(instance: dg.DagsterInstance) -> str | None:
+    """Which daemon turns this instance's backfills into runs and launches them: ``private`` (one this
+    process started, or another process's, holding the lock), ``external`` (a dagster-daemon with a fresh
+    heartbeat), or None."""
     spawned = _spawned.get(instance.root_directory)
     if spawned is not None and spawned.poll() is None:
         return "private"  # the one started here is alive (it may still be importing, before its lock)
@@ -56,6 +57,15 @@ def ensure_daemon(instance: dg.DagsterInstance) -> str:
     if heartbeat is not None and heartbeat.daemon_id != dead_id and \
             time.time() - heartbeat.timestamp < HEARTBEAT_FRESH_SECONDS:
         return "external"
+    return None
+
+
+def ensure_daemon(instance: dg.DagsterInstance) -> str:
+    """Make sure a daemon turns backfills into runs and launches them: ``external`` (a dagster-daemon
+    serves the instance), ``private`` (ours runs), or ``started`` (ours was started now)."""
+    serving = daemon_serving(instance)
+    if serving is not None:
+        return serving
     log = open(os.path.join(instance.root_directory, "shardprep_daemon.log"), "ab")
     _spawned[instance.root_directory] = subprocess.Popen(
         [sys.executable, "-m", "orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
@@ -163,6 +173,19 @@ def run_partitions(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[str
         return list(shard_partitions.get_partition_keys_in_range(dg.PartitionKeyRange(start, end)))
 
 
+def error_cause(error) -> str:
+    """The first line of what went wrong in a step: the innermost cause of Dagster's error (for an
+    exception in the asset's code Dagster reports only 'Error occurred while executing op ...', with
+    the exception itself as the cause), e.g. ``OSError: [Errno 28] No space left on device``."""
+    while getattr(error, "cause", None) is not None:
+        error = error.cause
+    lines = [line.strip() for line in (error.message or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return getattr(error, "cls_name", None) or "failed"
+    # a dg.Failure raised on purpose says what happened in its description: its class path adds nothing
+    return lines[0].removeprefix("dagster._core.definitions.events.Failure: ")
+
+
 def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
     """``{shard: first error}`` for every shard the backfill did not materialize entirely ("(global)" for
     unpartitioned assets): a batched step reports each shard's own error (``assets.shard_runs``), else a
@@ -189,7 +212,7 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
             if data.user_failure_data is not None:
                 value = data.user_failure_data.metadata.get("failed_shards")
                 per_shard = dict(getattr(value, "value", None) or {})
-            message = (data.error.message.strip().splitlines() or ["failed"])[0] if data.error else "failed"
+            message = error_cause(data.error) if data.error else "failed"
             for shard in shards:
                 if shard not in out and (not per_shard or shard in per_shard):
                     out[shard] = f"{event.step_key}: {per_shard.get(shard, message)}"

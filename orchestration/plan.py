@@ -55,6 +55,16 @@ def _latest_storage_id(instance: dg.DagsterInstance, key: dg.AssetKey) -> int | 
     return records[0].storage_id if records else None
 
 
+def newest_materialization(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey]) -> int:
+    """The storage id of the newest materialization of any of ``asset_keys`` (0: none)."""
+    return max((i for i in map(lambda k: _latest_storage_id(instance, k), asset_keys) if i), default=0)
+
+
+def global_is_current(instance: dg.DagsterInstance, key: dg.AssetKey, version: str | None, after: int) -> bool:
+    """Whether the unpartitioned ``key`` was last materialized at ``version``, after storage id ``after``."""
+    return latest_version(instance, key) == version and (_latest_storage_id(instance, key) or 0) > after
+
+
 def globals_needed(instance: dg.DagsterInstance, shard_keys: list[dg.AssetKey], global_keys: list[dg.AssetKey],
                    versions: dict[str, str]) -> bool:
     """Whether the unpartitioned assets must run: one is outdated, or a shard was materialized after the
@@ -63,6 +73,6 @@ def globals_needed(instance: dg.DagsterInstance, shard_keys: list[dg.AssetKey], 
         return False
     if outdated_globals(instance, global_keys, versions):
         return True
-    newest_shard = max((i for i in map(lambda k: _latest_storage_id(instance, k), shard_keys) if i), default=0)
+    newest_shard = newest_materialization(instance, shard_keys)
     oldest_global = min(_latest_storage_id(instance, k) or 0 for k in global_keys)
     return newest_shard > oldest_global

@@ -21,14 +21,18 @@ import dagster as dg
 from assets.shard_runs import REBUILD_TAG
 from orchestration.instance import instance_lock
 from orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
-from orchestration.plan import globals_needed
+from orchestration.plan import globals_needed, newest_materialization
 from orchestration.runner import Plan, RunSummary, Stop, recover_dead_runs
 from resources.dataset import CONFIG_TAG
 
 POLL_SECONDS = 0.5
 DAEMON_CHECK_SECONDS = 5.0
-CANCEL_WAIT_SECONDS = 120.0
+# after SIGTERM: how long the cancellation is waited for (a run's downloads stop at once; Kubernetes
+# kills 30 s after SIGTERM); what is not cancelled by then the daemon finishes cancelling
+CANCEL_WAIT_SECONDS = 4.0
 MAX_DAEMON_STARTS = 3
+# planning again after waiting on another process's backfill, at most this often (it may keep failing)
+MAX_ROUNDS = 4
 LAUNCHED_BY_TAG = "shardprep/launched_by"
 
 
@@ -115,6 +119,8 @@ def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], 
         mine = _shard_pairs(plan, [s for s in shards if s not in theirs])
         ours = [launch(instance, mine, tags=_tags(plan), title="shardprep run: shards")] if mine else []
     summary.backfills += ours
+    if theirs:
+        summary.waited_on += [b for b in busy_ids if b not in summary.waited_on]
     shards_of = {}
     for key, keys in mine.items():
         for s in keys:
@@ -123,19 +129,25 @@ def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], 
     return sorted(theirs)
 
 
-def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, follower: _Follower) -> None:
+def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, follower: _Follower) -> bool:
+    """Launch the unpartitioned assets when they must run and no one else runs them; wait for ours or
+    theirs. True when it waited on someone else's (whose result must be checked: it may have failed, or
+    died with its process)."""
     with instance_lock(instance, "submit"):
         busy, busy_ids = in_flight(instance)
-        if any(k in busy for k in plan.global_keys):  # another run updates them now: its result is ours
+        if any(k in busy for k in plan.global_keys):  # another run updates them now: wait, then look again
+            theirs = [b for b in busy_ids if b not in summary.backfills]
+            summary.waited_on += [b for b in theirs if b not in summary.waited_on]
             ours = []
         elif plan.rebuild or globals_needed(instance, plan.shard_keys, plan.global_keys, plan.versions):
             follower.bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")
             ours = [launch(instance, {k: {""} for k in plan.global_keys}, tags=_tags(plan),
                            title="shardprep run: unpartitioned assets")]
         else:
-            return
+            return False
     summary.backfills += ours
     follower.wait(ours, [] if ours else busy_ids)
+    return not ours
 
 
 def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progress_bar: bool) -> None:
@@ -149,13 +161,16 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
     with Stop(raise_between=False) as stop:
         follower = _Follower(instance, stop, bar)
         ensure_daemon(instance)
-        if todo:
+        for _ in range(MAX_ROUNDS):  # others had some in flight: what is left of them is ours
+            if not todo or stop.received() is not None:
+                break
             waited = _launch_shards(plan, instance, todo, summary, follower)
-            if waited and stop.received() is None:  # others had them in flight: what is left of them is ours
-                plan.replan(instance)
-                _launch_shards(plan, instance, [s for s in waited if plan.todo[s]], summary, follower)
-        if stop.received() is None:
-            _launch_globals(plan, instance, summary, follower)
+            plan.replan(instance)
+            todo = [s for s in waited if plan.todo[s]]
+        summary.shards_settled = newest_materialization(instance, plan.shard_keys)
+        for _ in range(MAX_ROUNDS):  # another process's update of them may have failed or died
+            if stop.received() is not None or not _launch_globals(plan, instance, summary, follower):
+                break
     bar.close()
     recover_dead_runs(instance)  # slots a killed worker's run left claimed go back now, not a daemon tick later
     summary.stopped_by = stop.signum

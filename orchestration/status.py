@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import dagster as dg
 from dagster._core.definitions.partitions.context import partition_loading_context
 from dagster._core.instance.types import CachingDynamicPartitionsLoader
-from dagster._core.storage.partition_status_cache import (AssetStatusCacheValue,
-                                                          get_and_update_asset_status_cache_value)
+from dagster._core.storage.partition_status_cache import AssetStatusCacheValue, get_and_update_asset_status_cache_value
 
 from orchestration.plan import current_partitions, latest_version
 from resources.dataset import config_url
@@ -132,7 +131,6 @@ def format_status(statuses: list[AssetStatus]) -> str:
 def load_defs(config_path: str | None) -> dg.Definitions:
     """The code location's definitions (for ``config_path`` when given: only the asset graph matters
     here, so any config of the dataset does)."""
-    import os
     import warnings
 
     with warnings.catch_warnings():  # beta/preview notices of the asset definitions: noise in a terminal

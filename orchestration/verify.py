@@ -3,10 +3,12 @@
 run repairs exactly them.
 
 Per-shard assets: the broken pair loses its stamp and its Dagster materialization (``invalidate``).
-Unpartitioned assets: the asset's materialization is wiped so the next run's global step runs; the
-balanced and precached tars lose their stamp too, which makes that step rebuild them (complete tars
-are immutable, never patched); the energon indexes repair themselves (an untrusted sqlite is rebuilt,
-a missing ``.tar.idx`` restored); wdinfo and the report are rewritten anyway.
+Unpartitioned assets: the asset's materialization is wiped so the next run's global step runs. One
+that is only stale (whole, but made from per-shard outputs made again since: a reshard, a takedown)
+is brought in step by that step's incremental update; the balanced and precached tars, when damaged,
+lose their stamp too, which makes that step rebuild them from the shards; the energon indexes repair
+themselves (an untrusted sqlite is rebuilt, a missing ``.tar.idx`` restored); wdinfo and the report
+are rewritten anyway.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from orchestration.invalidate import invalidate
-from resources.dataset import config_url
 from orchestration.plan import current_partitions, latest_version
+from resources.dataset import config_url
 from shardprep.config import load_config
 from shardprep.layout import ARTIFACT_MEDIA, Layout, applies
 from shardprep.ledger import load_ledger
@@ -50,7 +52,7 @@ class VerifyReport:
     def summary(self) -> str:
         lines = [f"verified {n} {'shards' if asset not in _global_names() else 'output'} of {asset}"
                  for asset, n in self.checked.items()]
-        lines += [f"BROKEN {p}" for p in self.problems]
+        lines += [f"{'STALE' if p.stale else 'BROKEN'} {p}" for p in self.problems]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s) in {sum(map(len, self.broken().values()))} (asset, shard) "
                          + ("pair(s), marked for re-materialization: `shardprep run` repairs them"
@@ -92,7 +94,8 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
                 report.problems += [Problem(name, s, msg) for s, f in zip(shards, found) for msg in f.problems]
                 report.checked[name] = len(shards)
             elif latest_version(instance, key) is not None:
-                report.problems += [Problem(name, "_all", msg) for msg in verify_global(layout, cfg, name).problems]
+                found = verify_global(layout, cfg, name)
+                report.problems += [Problem(name, "_all", msg, stale=msg in found.stale) for msg in found.problems]
                 report.checked[name] = 1
     if mark:
         _mark(instance, layout, report)
@@ -101,9 +104,10 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
 
 def _mark(instance: dg.DagsterInstance, layout: Layout, report: VerifyReport) -> None:
     globals_ = _global_names()
+    damaged = {p.artifact for p in report.problems if not p.stale}
     for asset, shards in report.broken().items():
         if asset in globals_:
-            if asset in REBUILT_WHEN_BROKEN:
+            if asset in REBUILT_WHEN_BROKEN and asset in damaged:
                 remove_stamp(layout, asset)
             instance.wipe_assets([dg.AssetKey(asset)])
         else:

@@ -7,11 +7,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import glob
 import io
 import json
 import math
+import os
 import re
 import string
+import unicodedata
+from typing import Sequence
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -29,6 +33,36 @@ PAD = 4
 BACKGROUND = (255, 255, 255)
 CELL_BACKGROUND = (235, 235, 235)
 TEXT = (20, 20, 20)
+FONT_SIZE = 10
+
+# Captions are in any script, so text is drawn per glyph from a chain of fonts (FallbackFont). DejaVu Sans
+# first: wide coverage (Latin, Greek, Cyrillic, Arabic, Hebrew, symbols) and always there, as matplotlib
+# (a dependency) ships it when the OS has no fonts.
+PRIMARY_FONTS = ("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "mpl-data:DejaVuSans.ttf")
+# Then fonts for the scripts DejaVu lacks (CJK, Indic, Thai, emoji...), where distributions and macOS put
+# them, each used only if present (no fontconfig: found the same way on every machine); globs match a
+# font per script (Noto). matplotlib's STIX last: math alphanumerics (social-media captions' "bold" letters).
+FALLBACK_FONTS = (
+    "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",  # Debian, Ubuntu: fonts-noto-cjk
+    "/usr/share/fonts/google-noto-cjk/NotoSansCJK-Regular.ttc",  # Fedora
+    "/usr/share/fonts/noto-cjk/NotoSansCJK-Regular.ttc",  # Arch
+    "/usr/share/fonts/truetype/noto/NotoSans*-Regular.ttf",  # Debian, Ubuntu: fonts-noto-core
+    "/usr/share/fonts/opentype/noto/NotoSans*-Regular.otf",
+    "/usr/share/fonts/google-noto/NotoSans*-Regular.ttf",  # Fedora
+    "/usr/share/fonts/noto/NotoSans*-Regular.ttf",  # Arch
+    "/usr/share/fonts/truetype/noto/NotoEmoji-Regular.ttf",  # monochrome emoji
+    "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf",
+    "/usr/share/fonts/truetype/droid/DroidSansFallback.ttf",
+    "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc",
+    "/usr/share/fonts/truetype/wqy/wqy-zenhei.ttc",
+    "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
+    "/usr/share/fonts/truetype/ancient-scripts/Symbola_hint.ttf",
+    "/System/Library/Fonts/Supplemental/Arial Unicode.ttf",  # macOS
+    "/System/Library/Fonts/Hiragino Sans GB.ttc",
+    "/System/Library/Fonts/AppleSDGothicNeo.ttc",
+    "mpl-data:STIXGeneral.ttf",
+)
+MPL_PREFIX = "mpl-data:"
 
 
 class ContactSheetError(ShardprepError, ValueError):
@@ -59,11 +93,118 @@ def image_of(members: dict) -> bytes | None:
     return next((members[e] for e in IMAGE_EXTENSIONS if e in members), None)
 
 
-def _font() -> ImageFont.ImageFont:
+def _default_font(size: int):
     try:
-        return ImageFont.load_default(size=10)  # FreeType default font (Pillow >= 10.1)
+        return ImageFont.load_default(size=size)  # FreeType default font (Pillow >= 10.1)
     except (TypeError, OSError):
         return ImageFont.load_default()
+
+
+def _resolve(pattern: str) -> list[str]:
+    """The font files ``pattern`` names (a path, a glob, or a file of matplotlib's mpl-data fonts)."""
+    if pattern.startswith(MPL_PREFIX):
+        try:
+            import matplotlib  # not pyplot: only the data path is wanted
+        except ImportError:
+            return []
+        pattern = os.path.join(matplotlib.get_data_path(), "fonts", "ttf", pattern[len(MPL_PREFIX):])
+    return sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+
+
+def font_paths() -> list[str]:
+    """The font files of the fallback chain on this machine, in order: the first primary font found,
+    then every fallback font found."""
+    primary = next((p for pattern in PRIMARY_FONTS for p in _resolve(pattern) if os.path.isfile(p)), None)
+    fallbacks = [p for pattern in FALLBACK_FONTS for p in _resolve(pattern) if os.path.isfile(p)]
+    return list(dict.fromkeys(([primary] if primary else []) + fallbacks))
+
+
+@functools.lru_cache(maxsize=None)
+def font_cmap(path: str) -> frozenset[int]:
+    """The code points the font at ``path`` (the first of a collection) has glyphs for; none if unreadable."""
+    from fontTools.ttLib import TTFont
+
+    try:
+        with TTFont(path, fontNumber=0, lazy=True) as font:
+            return frozenset(font.getBestCmap() or ())
+    except Exception:  # noqa: BLE001 - a broken font file is skipped: a preview never fails on one
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def _truetype(path: str, size: int) -> ImageFont.FreeTypeFont | None:
+    try:
+        return ImageFont.truetype(path, size)
+    except OSError:  # e.g. a colour bitmap font (Noto Color Emoji) has no glyphs at small sizes
+        return None
+
+
+def _sticks(ch: str) -> bool:
+    # a combining mark, joiner or variation selector belongs with the character before it
+    return unicodedata.category(ch)[0] == "M" or ch in "\u200c\u200d" or "\ufe00" <= ch <= "\ufe0f"
+
+
+class FallbackFont:
+    """Draws each character in the first font of ``paths`` whose cmap has it (a character none has in
+    the first one: its missing-glyph box); a run of characters sharing a font is drawn and measured in
+    one call. Measured like a PIL font (``ImageDraw.textlength`` calls ``getlength``), drawn with
+    ``draw``. Without any usable path, PIL's default font draws everything. Fonts and their cmaps are
+    read on first need: most captions never reach past the first font."""
+
+    def __init__(self, paths: Sequence[str], size: int = FONT_SIZE):
+        self.size = size
+        self.paths = tuple(paths)
+        self.primary_path = next((p for p in self.paths if _truetype(p, size) is not None), None)
+        self.primary = _truetype(self.primary_path, size) if self.primary_path else _default_font(size)
+        self._chosen: dict[str, str | None] = {}  # character -> path of its font (None: PIL's default)
+
+    def font_path(self, ch: str, previous: str | None = None) -> str | None:
+        """The path of the font that draws ``ch``; ``previous``: that of the character before it."""
+        if previous is not None and _sticks(ch) and ord(ch) in font_cmap(previous):
+            return previous
+        if ch not in self._chosen:
+            self._chosen[ch] = next((p for p in self.paths if ord(ch) in font_cmap(p)
+                                     and _truetype(p, self.size) is not None), self.primary_path)
+        return self._chosen[ch]
+
+    def font(self, path: str | None):
+        """The PIL font of ``path`` (a path ``font_path`` gave)."""
+        return self.primary if path == self.primary_path else _truetype(path, self.size)
+
+    def runs(self, text: str) -> list[tuple[str, ImageFont.FreeTypeFont | ImageFont.ImageFont]]:
+        """``text`` cut into (run, PIL font) pieces: consecutive characters sharing a font."""
+        out = []
+        start, current = 0, None
+        for i, ch in enumerate(text):
+            path = self.font_path(ch, current)
+            if i and path != current:
+                out.append((text[start:i], self.font(current)))
+                start = i
+            current = path
+        if text:
+            out.append((text[start:], self.font(current)))
+        return out
+
+    def getlength(self, text: str, *args, **kwargs) -> float:
+        return sum(font.getlength(run, *args, **kwargs) for run, font in self.runs(text))
+
+    def draw(self, draw: ImageDraw.ImageDraw, xy: tuple[int, int], text: str, fill) -> None:
+        """Draw ``text`` with its top-left corner at ``xy`` (as ``draw.text`` does with one font)."""
+        x, y = xy
+        if not isinstance(self.primary, ImageFont.FreeTypeFont):  # the bitmap default font: no anchors
+            draw.text(xy, text, fill=fill, font=self.primary)
+            return
+        # one baseline for all fonts (the primary's): fonts' ascents differ
+        baseline = y + self.primary.getmetrics()[0]
+        for run, font in self.runs(text):
+            draw.text((x, baseline), run, fill=fill, font=font, anchor="ls")
+            x += font.getlength(run, draw.fontmode)
+
+
+@functools.lru_cache(maxsize=1)
+def _font() -> FallbackFont:
+    """The caption font: one object per process (``_max_chars`` is cached by font)."""
+    return FallbackFont(font_paths(), FONT_SIZE)
 
 
 # Captions can be any length (50,000 characters happen), so fitting one looks only at what can
@@ -180,9 +321,9 @@ def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> byte
                                  Image.LANCZOS)
                 sheet.paste(img, (x0 + (thumb - img.width) // 2, y0 + (thumb - img.height) // 2))
         except (OSError, ValueError, Image.DecompressionBombError):
-            draw.text((x0 + 2, y0 + thumb // 2 - 5), f"{key}: unreadable", fill=(160, 0, 0), font=font)
+            font.draw(draw, (x0 + 2, y0 + thumb // 2 - 5), f"{key}: unreadable", fill=(160, 0, 0))
         for j, line in enumerate(_fit(draw, caption or key, font, thumb, CAPTION_LINES)):
-            draw.text((x0, y0 + thumb + PAD + j * LINE_HEIGHT), line, fill=TEXT, font=font)
+            font.draw(draw, (x0, y0 + thumb + PAD + j * LINE_HEIGHT), line, fill=TEXT)
     buf = io.BytesIO()
     sheet.save(buf, format="PNG", optimize=True)
     return buf.getvalue()
@@ -235,7 +376,7 @@ def video_contact_sheet(tar_url: str, max_clips: int = 12, frames: int = STRIP_F
     font = _font()
     for i, (data, label) in enumerate(clips):
         y0 = i * row_h + PAD
-        draw.text((PAD, y0), _cut(draw, label, font, width - 2 * PAD, ellipsis=False), fill=TEXT, font=font)
+        font.draw(draw, (PAD, y0), _cut(draw, label, font, width - 2 * PAD, ellipsis=False), fill=TEXT)
         y1 = y0 + LINE_HEIGHT + PAD
         try:
             strip = _frames(data, frames)
@@ -243,7 +384,7 @@ def video_contact_sheet(tar_url: str, max_clips: int = 12, frames: int = STRIP_F
             strip = []
         if not strip:
             sheet.paste(CELL_BACKGROUND, (PAD, y1, width - PAD, y1 + thumb))
-            draw.text((2 * PAD, y1 + thumb // 2 - 5), "undecodable clip", fill=(160, 0, 0), font=font)
+            font.draw(draw, (2 * PAD, y1 + thumb // 2 - 5), "undecodable clip", fill=(160, 0, 0))
         for j, img in enumerate(strip):
             x0 = PAD + j * (thumb + PAD)
             sheet.paste(CELL_BACKGROUND, (x0, y1, x0 + thumb, y1 + thumb))

@@ -332,12 +332,37 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
             "shard": pa.array([r[4] for r in dups], pa.string())}))
         report.index = "flat" if isinstance(work.index, faiss.IndexFlat) else "ivf"
         # last: what the index and the SQLite file hold
+        # the generation counts fresh starts: every keep mask was written again, so a selection made
+        # from an old mask (a sample kept because of a duplicate that is gone now) must be redone
+        generation = (state or {}).get("generation", 0) + (1 if fresh else 0)
         storage.write_bytes(layout.dedup_state, json.dumps({
             "format": FORMAT, "threshold": threshold, "dim": dim, "kept": kept, "shards": done,
-            "index": report.index}).encode())
+            "index": report.index, "generation": generation}).encode())
         report.kept_total, report.duplicates_total = kept, len(dups)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def embedded_shards(layout: Layout, clip_version: str) -> dict[str, str]:
+    """``{shard: identity}`` of the image shards whose CLIP embeddings are complete at ``clip_version``, in
+    ledger order; the identity (version and time of the embeddings' stamp) changes if they are made again."""
+    from shardprep.ledger import load_ledger
+    from shardprep.versions import read_stamp
+
+    ledger = load_ledger(layout)
+    out = {}
+    for key in ledger.keys() if ledger else []:
+        stamp = read_stamp(layout, "clip_embeddings", key)
+        if stamp and stamp["version"] == clip_version and storage.exists(layout.img_emb(key)):
+            out[key] = f"{stamp['version']}@{stamp.get('written_at')}"
+    return out
+
+
+def mask_identities(layout: Layout) -> dict[str, str]:
+    """``{shard: identity of its keep mask}``: changes when the mask is written again."""
+    state = load_state(layout) or {}
+    generation = state.get("generation", 0)
+    return {shard: f"{generation}:{ident}" for shard, ident in state.get("shards", {}).items()}
 
 
 def keep_mask(layout: Layout, shard: str) -> dict[str, bool] | None:

@@ -8,28 +8,42 @@ The guard (unless ``allow_private``): only http/https, and every host, on every 
 must resolve to public addresses only. The connection then goes to the address that was checked
 (the host name is kept for the Host header, SNI and certificate check), so a DNS answer that
 changes between check and connect (rebinding) cannot reach a private address.
+
+Abandoning downloads (the process is stopping: SIGTERM/SIGINT, a Celery warm shutdown): a pool from
+``make_pool`` can be aborted (``pool.abort()``, or ``abort_all()`` for every pool of the process). Its
+sockets are shut down, so reads blocked on a server that drips bytes or never answers return at once,
+and every ``fetch`` on it raises ``DownloadsAborted`` instead of returning a per-URL failure: an
+abandoned download is not a failed one, and a shard must not be written with it.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 import threading
 import time
-from typing import NamedTuple
+import weakref
+from typing import Any, NamedTuple
 from urllib.parse import urljoin
 
 import urllib3
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import (
     ConnectTimeoutError,
     HTTPError,
     LocationParseError,
+    NameResolutionError,
     NewConnectionError,
     ProtocolError,
     ReadTimeoutError,
     SSLError,
 )
 from urllib3.util import parse_url
+from urllib3.util.connection import allowed_gai_family
+
+from shardprep.errors import ShardprepError
 
 MAX_REDIRECTS = 5
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
@@ -52,19 +66,242 @@ class _Failed(Exception):
     """A failure with an img2dataset-like message (retried like img2dataset does)."""
 
 
-def make_pool(thread_count: int = 16) -> urllib3.PoolManager:
+class DownloadsAborted(ShardprepError, RuntimeError):
+    """The pool's downloads were abandoned because the process is stopping: nothing may be written from
+    them (a shard written now would record the abandoned URLs as failed downloads)."""
+
+
+ABANDONED = "downloads abandoned (the process is stopping)"
+
+
+def abandoned_shard(shard: str) -> DownloadsAborted:
+    """The error a shard writer raises instead of writing ``shard``."""
+    return DownloadsAborted(f"shard {shard}: {ABANDONED}; the shard is left for the next run")
+
+
+class _AbortSwitch:
+    """What ``abort()`` must reach, shared by a pool and its connections: the sockets they opened and
+    the events download threads wait on (name resolution). Once tripped, it stays tripped."""
+
+    def __init__(self) -> None:
+        # reentrant: abort() may run in a signal handler on a thread that is inside this lock already
+        self._lock = threading.RLock()
+        self.tripped = False
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._events: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+
+    def add_socket(self, sock: socket.socket) -> bool:
+        """Track ``sock``; False (not tracked) once tripped: the caller must not connect."""
+        with self._lock:
+            if self.tripped:
+                return False
+            self._sockets.add(sock)
+            return True
+
+    def close_socket(self, sock: socket.socket) -> None:
+        # under the lock: trip() never shuts a descriptor down while it is closed and its number reused
+        with self._lock:
+            self._sockets.discard(sock)
+            sock.close()
+
+    def wake_on_trip(self, event: threading.Event) -> None:
+        with self._lock:
+            if self.tripped:
+                event.set()
+            else:
+                self._events.add(event)
+
+    def trip(self) -> None:
+        with self._lock:
+            self.tripped = True
+            for sock in list(self._sockets):
+                try:
+                    # SHUT_RDWR, not close(): a thread blocked in recv/connect on it returns at once
+                    # (EOF or an error), while close() from another thread does not wake it on Linux
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed or never connected: nothing is blocked on it
+            for event in list(self._events):
+                event.set()
+
+
+class _TrackedConnection:
+    """A connection whose socket ``abort()`` can shut down, from before connect() to the last read.
+
+    The switch tracks a second descriptor of the socket (``dup``): TLS wrapping detaches the original
+    socket object (its fileno becomes -1) during the handshake, the duplicate stays valid, and
+    shutdown() acts on the socket, whichever descriptor names it. It is closed with the connection, or
+    the TCP connection would outlive close()."""
+
+    abort_switch: _AbortSwitch | None = None
+    _abort_handle: socket.socket | None = None
+    # HTTPConnection's, for the type checker (annotations only: nothing here shadows them)
+    host: str
+    port: int
+    timeout: Any
+    source_address: tuple[str, int] | None
+    socket_options: Any
+    _dns_host: str
+
+    def _new_conn(self) -> socket.socket:
+        """urllib3's ``_new_conn`` (same errors), but the socket is tracked before connect()."""
+        if self.abort_switch is None:
+            return super()._new_conn()  # type: ignore[misc]
+        try:
+            sock = self._connect_tracked()
+        except socket.gaierror as e:
+            raise NameResolutionError(self.host, self, e) from e  # type: ignore[arg-type]
+        except socket.timeout as e:
+            message = f"Connection to {self.host} timed out. (connect timeout={self.timeout})"
+            raise ConnectTimeoutError(self, message) from e
+        except OSError as e:
+            message = f"Failed to establish a new connection: {e}"
+            raise NewConnectionError(self, message) from e  # type: ignore[arg-type]
+        sys.audit("http.client.connect", self, self.host, self.port)
+        return sock
+
+    def _connect_tracked(self) -> socket.socket:
+        """``urllib3.util.connection.create_connection`` with the socket tracked before connecting."""
+        addresses = socket.getaddrinfo(self._dns_host.strip("[]"), self.port, allowed_gai_family(), socket.SOCK_STREAM)
+        error: OSError | None = None
+        for family, kind, proto, _name, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            try:
+                self._track(sock)
+                for option in self.socket_options or ():
+                    sock.setsockopt(*option)
+                # urllib3's "default" sentinel (neither a number nor None) leaves the socket's own timeout
+                if self.timeout is None or isinstance(self.timeout, (int, float)):
+                    sock.settimeout(self.timeout)
+                if self.source_address:
+                    sock.bind(self.source_address)
+                sock.connect(address)
+                return sock
+            except OSError as e:
+                error = e
+                sock.close()
+                self._untrack()
+        raise error if error is not None else OSError("getaddrinfo returns an empty list")
+
+    def _track(self, sock: socket.socket) -> None:
+        self._untrack()  # a reconnect: the old socket's duplicate goes
+        handle = sock.dup()
+        if not self.abort_switch.add_socket(handle):  # type: ignore[union-attr]
+            handle.close()
+            raise ConnectionAbortedError(ABANDONED)
+        self._abort_handle = handle
+
+    def _untrack(self) -> None:
+        handle, self._abort_handle = self._abort_handle, None
+        if handle is not None:
+            self.abort_switch.close_socket(handle)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        try:
+            super().close()  # type: ignore[misc]
+        finally:
+            self._untrack()
+
+
+class _TrackedHTTPConnection(_TrackedConnection, HTTPConnection):
+    pass
+
+
+class _TrackedHTTPSConnection(_TrackedConnection, HTTPSConnection):
+    pass
+
+
+class _TrackedPool:
+    """A host's connection pool that hands its pool manager's abort switch to each new connection."""
+
+    abort_switch: _AbortSwitch | None = None
+
+    def _new_conn(self):
+        conn = super()._new_conn()  # type: ignore[misc]
+        conn.abort_switch = self.abort_switch
+        return conn
+
+
+class _TrackedHTTPPool(_TrackedPool, HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSPool(_TrackedPool, HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
+class AbortablePool(urllib3.PoolManager):
+    """A ``PoolManager`` whose downloads ``abort()`` abandons at once (see the module's docstring)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._switch = _AbortSwitch()
+        self.pool_classes_by_scheme = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+    def _new_pool(self, scheme, host, port, request_context=None):
+        pool = super()._new_pool(scheme, host, port, request_context)
+        pool.abort_switch = self._switch
+        return pool
+
+    @property
+    def aborted(self) -> bool:
+        return self._switch.tripped
+
+    def abort(self) -> None:
+        """Shut down every socket of this pool and refuse new downloads; idempotent, any thread (or a
+        signal handler)."""
+        self._switch.trip()
+
+    def wake_on_abort(self, event: threading.Event) -> None:
+        """Set ``event`` when the pool is aborted (at once if it is), so a wait on it ends then."""
+        self._switch.wake_on_trip(event)
+
+
+# every pool of the process that may have downloads in flight: abort_all() reaches them from a
+# shutdown hook that has no reference to the shard being written
+_LIVE_POOLS: weakref.WeakSet[AbortablePool] = weakref.WeakSet()
+_LIVE_LOCK = threading.RLock()  # reentrant: abort_all() may run in a signal handler
+_REFUSE_NEW = threading.Event()
+
+
+def make_pool(thread_count: int = 16) -> AbortablePool:
     """One pool per shard, shared by its download threads (keep-alive connections are reused).
 
     ``retries=False`` and ``redirect=False`` because ``fetch`` follows redirects itself, so that
-    it can check every hop; certificates are verified (img2dataset's default).
+    it can check every hop; certificates are verified (img2dataset's default). Born aborted after
+    ``abort_all(refuse_new=True)``.
     """
-    return urllib3.PoolManager(
+    pool = AbortablePool(
         num_pools=max(64, 2 * thread_count),
         maxsize=max(1, thread_count),
         block=False,
         retries=False,
         cert_reqs="CERT_REQUIRED",
     )
+    with _LIVE_LOCK:
+        _LIVE_POOLS.add(pool)
+        if _REFUSE_NEW.is_set():
+            pool.abort()
+    return pool
+
+
+def abort_all(refuse_new: bool = False) -> int:
+    """Abort every live pool of this process (a shutdown hook: the downloads in flight are abandoned);
+    returns how many. ``refuse_new``: the process is going away, so pools made from now on start
+    aborted too (a step writing several shards catches each shard's error and would go on to the
+    next one, downloading again). Safe from a signal handler."""
+    with _LIVE_LOCK:
+        if refuse_new:
+            _REFUSE_NEW.set()
+        pools = list(_LIVE_POOLS)
+    for pool in pools:
+        pool.abort()
+    return len(pools)
+
+
+def _raise_if_aborted(pool: urllib3.PoolManager) -> None:
+    if getattr(pool, "aborted", False):
+        raise DownloadsAborted(ABANDONED)
 
 
 def default_deadline(timeout: float, retries: int = 0) -> float:
@@ -95,8 +332,9 @@ def address_problem(ip: str) -> str | None:
     return None
 
 
-def _resolve(host: str, port: int, seconds: float) -> list[str]:
-    """getaddrinfo with a time limit (it has none of its own); a literal IP costs no lookup."""
+def _resolve(host: str, port: int, seconds: float, pool: urllib3.PoolManager) -> list[str]:
+    """getaddrinfo with a time limit (it has none of its own) that ``pool.abort()`` also ends; a literal
+    IP costs no lookup."""
     try:
         return [str(ipaddress.ip_address(host))]
     except ValueError:
@@ -113,7 +351,11 @@ def _resolve(host: str, port: int, seconds: float) -> list[str]:
 
     # a daemon thread: a resolver stuck past our deadline is abandoned, never waited for
     threading.Thread(target=lookup, name="shardprep-dns", daemon=True).start()
-    if not done.wait(max(0.0, seconds)):
+    if isinstance(pool, AbortablePool):
+        pool.wake_on_abort(done)
+    finished = done.wait(max(0.0, seconds))
+    _raise_if_aborted(pool)
+    if not finished:
         raise _Failed("timed out")
     if "error" in result:
         raise _Failed(f"<urlopen error {result['error']}>")
@@ -201,7 +443,7 @@ def _fetch_once(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _Failed("timed out")
-        ips = _resolve(host, port, min(timeout, remaining))
+        ips = _resolve(host, port, min(timeout, remaining), pool)
         if not allow_private and host not in trusted_hosts:
             for ip in ips:
                 problem = address_problem(ip)
@@ -212,6 +454,7 @@ def _fetch_once(
         resp = None
         last_connect_error: Exception | None = None
         for ip in ips[:3]:  # like socket.create_connection: try the next address if one is unreachable
+            _raise_if_aborted(pool)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _Failed("timed out")
@@ -265,6 +508,8 @@ def fetch(
 
     ``trusted_hosts``: host names exempt from the address guard (e.g. an internal mirror).
     Refusals (guard, scheme, size cap, redirect loop) are not retried: the answer would not change.
+    Raises ``DownloadsAborted`` (at once, without network) when ``pool`` is or gets aborted: whatever
+    the attempt saw then (an error, a body cut short) is the abort's doing, not the URL's.
     """
     if not isinstance(url, str) or not url.strip():
         return Fetched(None, f"invalid url: {url!r}")
@@ -272,27 +517,34 @@ def fetch(
     trusted = frozenset(trusted_hosts)
     error = "timed out"
     for _attempt in range(retries + 1):
+        _raise_if_aborted(pool)
         if time.monotonic() >= deadline:
             break
-        try:
-            return Fetched(
-                _fetch_once(url.strip(), pool, timeout, max_bytes, deadline, allow_private, trusted,
-                            user_agent, user_agent_token, disallowed_directives),
-                None,
-            )
-        except _Refused as e:
-            return Fetched(None, str(e))
-        except _Failed as e:
-            error = str(e)
-        except NewConnectionError as e:  # before ConnectTimeoutError: urllib3 derives it from that
-            reason = str(e).rsplit(": ", 1)[-1]  # "[Errno 111] Connection refused"
-            error = f"<urlopen error {reason}>"
-        except (ConnectTimeoutError, ReadTimeoutError, socket.timeout, TimeoutError):
-            error = "timed out"
-        except SSLError as e:
-            error = f"<urlopen error {e}>"
-        except ProtocolError as e:
-            error = f"connection broken: {e.args[-1] if e.args else e}"
-        except (HTTPError, OSError, ValueError) as e:  # any other transport-level problem
-            error = f"{type(e).__name__}: {e}"
+        final, error = _attempt_once(url.strip(), pool, timeout, max_bytes, deadline, allow_private, trusted,
+                                     user_agent, user_agent_token, disallowed_directives)
+        # a body read up to the EOF that abort()'s shutdown caused can look complete (no Content-Length)
+        _raise_if_aborted(pool)
+        if final is not None:
+            return final
     return Fetched(None, error)
+
+
+def _attempt_once(url: str, pool: urllib3.PoolManager, *args) -> tuple[Fetched | None, str]:
+    """One attempt: (the answer, "") when it is final (data or a refusal), else (None, why it failed)."""
+    try:
+        return Fetched(_fetch_once(url, pool, *args), None), ""
+    except _Refused as e:
+        return Fetched(None, str(e)), ""
+    except _Failed as e:
+        return None, str(e)
+    except NewConnectionError as e:  # before ConnectTimeoutError: urllib3 derives it from that
+        reason = str(e).rsplit(": ", 1)[-1]  # "[Errno 111] Connection refused"
+        return None, f"<urlopen error {reason}>"
+    except (ConnectTimeoutError, ReadTimeoutError, socket.timeout, TimeoutError):
+        return None, "timed out"
+    except SSLError as e:
+        return None, f"<urlopen error {e}>"
+    except ProtocolError as e:
+        return None, f"connection broken: {e.args[-1] if e.args else e}"
+    except (HTTPError, OSError, ValueError) as e:  # any other transport-level problem
+        return None, f"{type(e).__name__}: {e}"

@@ -10,6 +10,10 @@ Per shard (``shard = shard_key(shard_id)``) under ``Layout.images_dir``:
 
 Differences from img2dataset, by design: samples and parquet rows are in key order (not download
 completion order), so a shard's content is deterministic; a shard without successes has no tar.
+
+A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
+process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
+downloads in flight are abandoned at once, and the next run fetches all its rows again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -31,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
-from shardprep.fetch import fetch, make_pool
+from shardprep.fetch import DownloadsAborted, abandoned_shard, fetch, make_pool
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
 from shardprep.resize import resize_image
@@ -134,21 +139,42 @@ def decode_slots(cfg: DatasetConfig) -> int:
     return max(1, cores)
 
 
-def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int) -> Iterator:
+def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int,
+                on_abort: Callable[[], None] | None = None) -> Iterator:
     """``map(fn, items)`` on ``threads`` threads, results in input order, at most ``max_in_flight``
-    submitted and not yet consumed (so finished-but-unwritten images cannot pile up in memory)."""
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardprep-dl") as pool:
-        pending: deque = deque()
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= max_in_flight:
-                    yield pending.popleft().result()
-            while pending:
+    submitted and not yet consumed (so finished-but-unwritten images cannot pile up in memory).
+
+    When the consumer stops early (an exception, e.g. a KeyboardInterrupt raised while it waits for a
+    result, or the generator closed before the end), queued items are cancelled and ``on_abort()`` is
+    called before the threads are waited for: it must make the running calls return at once (the
+    download pool's ``abort``), or leaving would wait for every one in flight (up to 3 x timeout).
+    """
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardprep-dl")
+    pending: deque = deque()
+    finished = False
+    try:
+        for item in items:
+            pending.append(executor.submit(fn, item))
+            if len(pending) >= max_in_flight:
                 yield pending.popleft().result()
-        finally:
-            for fut in pending:  # the consumer stopped early: do not start what is still queued
-                fut.cancel()
+        while pending:
+            yield pending.popleft().result()
+        finished = True
+    finally:
+        _leave(executor, pending, None if finished else on_abort)
+
+
+def _leave(executor: ThreadPoolExecutor, pending: deque, on_abort: Callable[[], None] | None) -> None:
+    """Shut ``ordered_map``'s threads down: queued work never starts (cancelled first, so no thread
+    freed by the abort picks it up), running work is stopped by ``on_abort``, then joined."""
+    for fut in pending:
+        fut.cancel()
+    try:
+        if on_abort is not None:
+            on_abort()
+    finally:
+        # waited for: no thread outlives the call (they return quickly once aborted)
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout) -> ShardReport:
@@ -171,10 +197,12 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     names_in = inputs.column_names
     keys = [compute_key(i, shard_id, cfg.oom_sample, cfg.oom_shard_count) for i in range(inputs.num_rows)]
 
+    pool = make_pool(cfg.thread_count)
+    if pool.aborted:  # the process is stopping (abort_all): change nothing on disk
+        raise abandoned_shard(shard)
     # an older, complete run of this shard must not look complete while it is being rewritten
     remove(layout.shard_stats(shard))
 
-    pool = make_pool(cfg.thread_count)
     work = partial(
         _process_one,
         download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
@@ -191,9 +219,13 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     status_dict: Counter = Counter()
     try:
         # opened at the first success: a shard without any gets no tar (and loses a stale one, which
-        # would contradict the parquet)
-        with TarWriter(layout.tar(shard), remove_stale=True) as tar:
-            for i, outcome in enumerate(ordered_map(work, urls, cfg.thread_count, 2 * cfg.thread_count)):
+        # would contradict the parquet). Any exception in here (an interrupt, an abort) drops the tar
+        # and stops the downloads in flight (closing the results ends ordered_map, which aborts the pool).
+        with (TarWriter(layout.tar(shard), remove_stale=True) as tar,
+              closing(ordered_map(work, urls, cfg.thread_count, 2 * cfg.thread_count, on_abort=pool.abort)) as results):
+            for i, outcome in enumerate(results):
+                if pool.aborted:  # the outcomes are no longer the URLs' own: none may be recorded
+                    raise abandoned_shard(shard)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 meta: dict[str, Any] = {name: values[name][i] for name in names_in}
@@ -213,6 +245,8 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                     caption = values["caption"][i]
                     members["txt"] = str(caption) if caption is not None else ""
                 tar.add(keys[i], members)
+    except DownloadsAborted:  # fetch's own says which pool, not which shard
+        raise abandoned_shard(shard) from None
     finally:
         pool.clear()
     tar_bytes, tar_written = tar.bytes_written, tar.count > 0

@@ -215,9 +215,18 @@ def _file_from_v1(f: dict) -> dict:
 
 
 def load_ledger(layout: Layout) -> Ledger | None:
-    if not exists(layout.ledger):
+    return _parse_ledger(layout, _ledger_bytes(layout))
+
+
+def _ledger_bytes(layout: Layout) -> bytes | None:
+    # reads nothing but the ledger and creates nothing: safe before the lock (writes are atomic renames)
+    return read_bytes(layout.ledger) if exists(layout.ledger) else None
+
+
+def _parse_ledger(layout: Layout, data: bytes | None) -> Ledger | None:
+    if data is None:
         return None
-    raw = json.loads(read_bytes(layout.ledger))
+    raw = json.loads(data)
     version = raw.get("version", 1)
     if version not in READABLE_VERSIONS:
         raise LedgerError(f"{layout.ledger} has format version {version}; this shardprep reads versions "
@@ -228,7 +237,12 @@ def load_ledger(layout: Layout) -> Ledger | None:
 
 def _open_ledger(cfg: DatasetConfig, layout: Layout) -> Ledger:
     """The ledger (a new empty one if there is none), checked against the config."""
-    ledger = load_ledger(layout) or Ledger(cfg.samples_per_shard, cfg.oom_shard_count)
+    return _check_config(cfg, layout, load_ledger(layout))
+
+
+def _check_config(cfg: DatasetConfig, layout: Layout, ledger: Ledger | None) -> Ledger:
+    """``ledger`` (a new empty one for None), checked against the config."""
+    ledger = ledger or Ledger(cfg.samples_per_shard, cfg.oom_shard_count)
     for name in ("samples_per_shard", "oom_shard_count"):
         if getattr(ledger, name) != getattr(cfg, name):
             raise LedgerError(
@@ -318,6 +332,65 @@ def _extend(entry: dict, info: SourceInfo, first_shard: int, cfg: DatasetConfig)
 # ---------------------------------------------------------------- registering and re-sharding
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """The source files as checked before the ledger lock is taken (see ``_check_sources``)."""
+    fingerprints: dict[str, str]  # every file's fingerprint when checked
+    infos: dict[str, SourceInfo]  # the files new to the ledger or changed since registered: footers read
+
+    def info(self, url: str, cfg: DatasetConfig, media: str) -> SourceInfo:
+        # not read yet only when another process rewrote the ledger between the check and the lock
+        return self.infos.get(url) or inspect_source(url, cfg, media)
+
+
+def _check_media(entry: dict, url: str, media: str) -> None:
+    if media_of(entry) != media:
+        raise LedgerError(f"source file {url} was registered as {media_of(entry)} rows and is now named "
+                          f"as {media} rows ('source' is images, 'video_source' videos); a shard's "
+                          "kind never changes: use a new output_root or move the file back")
+
+
+def _check_sources(cfg: DatasetConfig, files: dict[str, str], ledger: Ledger) -> _Checked:
+    """Check every file against ``ledger`` as read without the lock: files new to it or changed since
+    registered must be readable parquet with the configured columns. Raises on the first bad file;
+    only reads, so a bad source leaves nothing under output_root (not even the lock file)."""
+    known = {f["source"]: f for f in ledger.files}
+    fingerprints: dict[str, str] = {}
+    infos: dict[str, SourceInfo] = {}
+    for url, media in files.items():
+        entry = known.get(url)
+        if entry is not None:
+            _check_media(entry, url, media)
+            fingerprints[url] = file_fingerprint(url)  # unchanged files cost one info call
+            if fingerprints[url] == entry["fingerprint"]:
+                continue
+        infos[url] = inspect_source(url, cfg, media)
+        fingerprints[url] = infos[url].fingerprint
+    return _Checked(fingerprints, infos)
+
+
+def _changes(cfg: DatasetConfig, files: dict[str, str], ledger: Ledger, layout: Layout, checked: _Checked,
+             config_path: str | None) -> tuple[list[tuple[dict, SourceInfo]], list[tuple[SourceInfo, str]]]:
+    """(entry, info) of the registered files grown since, and (info, media) of the files new to the
+    ledger; raises SourceChangedError for a registered file whose registered rows changed."""
+    known = {f["source"]: f for f in ledger.files}
+    grown: list[tuple[dict, SourceInfo]] = []
+    fresh: list[tuple[SourceInfo, str]] = []
+    for url, media in files.items():
+        entry = known.get(url)
+        if entry is None:
+            fresh.append((checked.info(url, cfg, media), media))
+            continue
+        _check_media(entry, url, media)
+        if checked.fingerprints[url] != entry["fingerprint"]:
+            info = checked.info(url, cfg, media)
+            change = _find_change(ledger, entry, info, layout)
+            if change:
+                raise SourceChangedError(url, change, info.fingerprint, config_path)
+            grown.append((entry, info))
+    return grown, fresh
+
+
 def register_sources(cfg: DatasetConfig, source_files: dict[str, str] | None = None, *,
                      config_path: str | None = None) -> Registration:
     """Give shard ids to source files not yet in the ledger, and to rows appended to registered ones.
@@ -326,36 +399,27 @@ def register_sources(cfg: DatasetConfig, source_files: dict[str, str] | None = N
 
     Every file is checked first: if one is bad (unreadable, a column missing, rewritten or shrunk
     since registration: SourceChangedError), the ledger is left as it was and the error names the
-    file. ``config_path`` goes into the re-shard command such an error shows."""
+    file. A file that is not readable parquet with the configured columns fails before the lock is
+    taken, so it leaves nothing under output_root, which is not even created. ``config_path`` goes
+    into the re-shard command such an error shows."""
     layout = Layout(cfg.output_root)
     files = list_all_source_files(cfg) if source_files is None else source_files
+    seen = _ledger_bytes(layout)
+    checked_against = _check_config(cfg, layout, _parse_ledger(layout, seen))
+    checked = _check_sources(cfg, files, checked_against)
     with lock(layout.root, "ledger"):
-        ledger = _open_ledger(cfg, layout)
-        known = {f["source"]: f for f in ledger.files}
-        grown: list[tuple[dict, SourceInfo]] = []
-        fresh = []
-        for url, media in files.items():
-            entry = known.get(url)
-            if entry is None:
-                fresh.append((url, media))
-            elif media_of(entry) != media:
-                raise LedgerError(f"source file {url} was registered as {media_of(entry)} rows and is now named "
-                                  f"as {media} rows ('source' is images, 'video_source' videos); a shard's "
-                                  "kind never changes: use a new output_root or move the file back")
-            elif file_fingerprint(url) != entry["fingerprint"]:  # unchanged files cost one info call
-                info = inspect_source(url, cfg, media)
-                change = _find_change(ledger, entry, info, layout)
-                if change:
-                    raise SourceChangedError(url, change, info.fingerprint, config_path)
-                grown.append((entry, info))
-        infos = [(inspect_source(u, cfg, media), media) for u, media in fresh]  # raises before any write
+        # the ledger is read again under the lock: another process may have registered files since
+        # (kept as parsed when it did not: a LAION ledger takes a while to parse)
+        now = _ledger_bytes(layout)
+        ledger = checked_against if now == seen else _check_config(cfg, layout, _parse_ledger(layout, now))
+        grown, fresh = _changes(cfg, files, ledger, layout, checked, config_path)  # raises before any write
 
         next_id, new_keys, appended, empty = ledger.next_shard_id, [], [], []
         for entry, info in grown:
             keys = _extend(entry, info, next_id, cfg)
             appended += [info.url] if keys else []
             new_keys, next_id = new_keys + keys, next_id + len(keys)
-        for info, media in infos:
+        for info, media in fresh:
             entry = {"source": info.url, "fingerprint": info.fingerprint, "rows": 0, "columns": list(info.columns),
                      "digest": None, "segments": [], **({"media": media} if media != "image" else {})}
             ledger.files.append(entry)
@@ -363,7 +427,7 @@ def register_sources(cfg: DatasetConfig, source_files: dict[str, str] | None = N
             empty += [] if keys else [info.url]
             new_keys, next_id = new_keys + keys, next_id + len(keys)
         ledger.reindex()
-        if grown or infos or ledger.read_version != LEDGER_VERSION or not exists(layout.ledger):
+        if grown or fresh or ledger.read_version != LEDGER_VERSION or not exists(layout.ledger):
             write_bytes(layout.ledger, ledger.to_json())
     return Registration(new_keys, ledger.keys(), empty, appended)
 

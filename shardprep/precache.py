@@ -23,6 +23,7 @@ and key (balanced tars hold images img2dataset already decoded). Non-finite enco
 
 from __future__ import annotations
 
+import json
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -30,8 +31,11 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
+from shardprep import storage
+from shardprep.balanced import tar_digests
 from shardprep.embeddings import IMAGE_EXTS
 from shardprep.errors import ShardprepError
+from shardprep.layout import Layout
 from shardprep.nemo_encoders import preprocess_image
 from shardprep.storage import exists
 from shardprep.tars import TarWriter, iter_samples
@@ -130,3 +134,54 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
     report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
     report.seconds = time.perf_counter() - start
     return report
+
+
+# ---------------------------------------------------------------- which balanced tars to (re-)encode
+
+SOURCES_NAME = ".sources.json"  # hidden: wdinfo and energon list only tars
+
+
+def sources_url(layout: Layout) -> str:
+    return f"{layout.precached_dir}/{SOURCES_NAME}"
+
+
+def recorded_sources(layout: Layout) -> dict[int, str]:
+    """``{tar index: digest of the balanced tar it was encoded from}``. A folder written before digests
+    were recorded adopts the balanced tars' current digests for the tars it has (complete balanced tars
+    never changed then)."""
+    text = storage.read_text(sources_url(layout))
+    if text is not None:
+        return {int(i): d for i, d in json.loads(text)["tars"].items()}
+    digests = tar_digests(layout)
+    return {i: d for i, d in digests.items() if storage.exists(layout.precached_tar(i))}
+
+
+def record_sources(layout: Layout, sources: dict[int, str]) -> None:
+    storage.write_bytes(sources_url(layout), json.dumps(
+        {"tars": {f"{i:05d}": d for i, d in sorted(sources.items())}}).encode("utf-8"))
+
+
+@dataclass
+class PrecachePlan:
+    todo: list[int]  # complete balanced tars without a current encoding
+    gone: list[int]  # encodings whose balanced tar is no longer complete (its samples moved or went)
+    digests: dict[int, str]  # the complete balanced tars' digests
+    recorded: dict[int, str]
+
+
+def plan_precache(layout: Layout) -> PrecachePlan:
+    """What precached_encodings must do to match the balanced tars: encode the complete tars that are
+    new or whose samples changed since they were encoded, remove encodings of tars no longer complete."""
+    digests, recorded = tar_digests(layout), recorded_sources(layout)
+    on_disk = _precached_indices(layout)
+    todo = [i for i in sorted(digests) if recorded.get(i) != digests[i] or i not in on_disk]
+    gone = sorted((set(recorded) | on_disk) - set(digests))
+    return PrecachePlan(todo, gone, digests, recorded)
+
+
+def _precached_indices(layout: Layout) -> set[int]:
+    fs, root = storage.url_to_fs(layout.precached_dir)
+    if not fs.isdir(root):
+        return set()
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    return {int(n[:-4]) for n in names if n.endswith(".tar") and n[:-4].isdigit()}

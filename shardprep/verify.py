@@ -30,22 +30,27 @@ from shardprep.versions import read_stamp
 class Findings:
     problems: list[str] = field(default_factory=list)
     facts: dict = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)  # problems of outputs whole but out of step with their inputs
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def fail(self, url: str, message: str) -> None:
+    def fail(self, url: str, message: str, stale: bool = False) -> None:
         self.problems.append(f"{url}: {message}")
+        if stale:
+            self.stale.add(self.problems[-1])
 
 
 @dataclass(frozen=True)
 class Problem:
-    """A broken output: which artifact and shard (``versions.ALL_SHARDS`` for unpartitioned ones)."""
+    """A broken output: which artifact and shard (``versions.ALL_SHARDS`` for unpartitioned ones);
+    ``stale``: whole, but made from per-shard outputs that were made again since."""
 
     artifact: str
     shard: str
     message: str
+    stale: bool = False
 
     def __str__(self) -> str:
         return f"{self.artifact} {self.shard}: {self.message}"
@@ -277,38 +282,71 @@ def verify_diffusion_samples(layout: Layout, shard: str) -> Findings:
 
 
 # ---------------------------------------------------------------- unpartitioned artifacts
+#
+# Besides being whole, a global artifact must agree with the per-shard outputs it was made from: each
+# records what it consumed (the balanced state each shard's identity and each tar's digest, precache the
+# digest of the balanced tar it encoded, energon each tar's size and time, dedup and the selection each
+# shard's input identity), so a shard made again since (reshard, takedown) is found by comparing those
+# records with the current stamps, without reading a sample. Such findings are marked ``stale``: the
+# next run's incremental update repairs them.
 
 
-def verify_balanced_shards(layout: Layout) -> Findings:
-    """Every tar the balanced state records reads to its end with the recorded sample count."""
-    from shardprep.balanced import load_state
+def verify_balanced_shards(layout: Layout, cfg: DatasetConfig | None = None) -> Findings:
+    """Every tar the balanced state records reads to its end with the recorded sample count, no update
+    was left half done, and (with ``cfg``) every consumed shard's samples are as the shard holds them now."""
+    from shardprep import balanced
 
     f = Findings()
-    state = _read(f, layout.balanced_dir + "/state.json", lambda u: load_state(layout), "balanced state")
+    state = _read(f, balanced.state_url(layout), lambda u: balanced.load_state(layout), "balanced state")
     if not state:
         return f
-    for i, count in enumerate(state["counts"]):
+    if state.get("version") != balanced.STATE_VERSION:
+        f.fail(balanced.state_url(layout), f"state version {state.get('version')}, the next update rewrites it",
+               stale=True)
+        return f
+    if storage.exists(f"{layout.balanced_dir}/{balanced.PENDING_NAME}"):
+        f.fail(layout.balanced_dir, "an update was interrupted; the next one writes every tar again", stale=True)
+    for i, tar in enumerate(state["tars"]):
         url = layout.balanced_tar(i)
         keys = _read(f, url, sample_keys, "tar")
-        if keys is not None and len(keys) != count:
-            f.fail(url, f"{len(keys)} samples, the balanced state records {count}")
-    f.facts.update(tars=len(state["counts"]))
+        if keys is not None and len(keys) != tar["count"]:
+            f.fail(url, f"{len(keys)} samples, the balanced state records {tar['count']}")
+    f.facts.update(tars=len(state["tars"]))
+    if cfg is None:
+        return f
+    from shardprep.selection import active_rules
+    from shardprep.versions import artifact_versions
+
+    now = balanced.source_identities(layout, artifact_versions(cfg), bool(active_rules(cfg)))
+    for shard, entry in state["shards"].items():
+        if now.get(shard) != entry["source"]:
+            tars = ", ".join(f"{i:05d}.tar" for i in entry.get("tars", [])) or "no tar"
+            f.fail(layout.balanced_dir, f"{tars} hold(s) samples of shard {shard} as they were before it was "
+                   "made again", stale=True)
     return f
 
 
-def verify_wdinfo(layout: Layout, folder: str, wdinfo_url: str) -> Findings:
-    """``wdinfo.pkl`` loads and lists tars that exist."""
+def verify_wdinfo(layout: Layout, folder: str, wdinfo_url: str, complete: list[str] | None = None) -> Findings:
+    """``wdinfo.pkl`` loads and lists tars that exist; with ``complete``, exactly those tars."""
     f = Findings()
     info = _read(f, wdinfo_url, lambda u: pickle.loads(storage.read_bytes(u)), "wdinfo pickle")
     if isinstance(info, dict):
-        for name in info.get("tar_files", []):
+        listed = list(info.get("tar_files", []))
+        for name in listed:
             if not storage.exists(f"{folder}/{name}"):
                 f.fail(wdinfo_url, f"lists {name}, which does not exist")
+        if complete is not None and not f.problems and sorted(listed) != sorted(complete):
+            extra, missing = sorted(set(listed) - set(complete)), sorted(set(complete) - set(listed))
+            f.fail(wdinfo_url, f"lists {len(listed)} tars, {len(complete)} are complete (not listed: {missing[:5]}, "
+                   f"not complete: {extra[:5]})", stale=True)
     return f
 
 
 def verify_precached_encodings(layout: Layout, chunk_size: int) -> Findings:
-    """Every precached tar reads to its end with ``chunk_size`` samples; its wdinfo loads."""
+    """Every precached tar reads to its end with ``chunk_size`` samples; each complete balanced tar has an
+    encoding made from its current samples, and no other encoding is left; its wdinfo loads."""
+    from shardprep.precache import plan_precache
+
     f = Findings()
     if not storage.exists(layout.precached_dir):
         return f
@@ -318,14 +356,23 @@ def verify_precached_encodings(layout: Layout, chunk_size: int) -> Findings:
         keys = _read(f, url, sample_keys, "tar")
         if keys is not None and len(keys) != chunk_size:
             f.fail(url, f"{len(keys)} samples, expected {chunk_size}")
+    plan = plan_precache(layout)
+    for i in plan.todo:
+        what = "was encoded before its samples changed" if i in plan.recorded else "has no encoding"
+        f.fail(layout.precached_tar(i), f"balanced/{i:05d}.tar {what}", stale=True)
+    for i in plan.gone:
+        f.fail(layout.precached_tar(i), f"encodes balanced/{i:05d}.tar, which is not complete any more", stale=True)
     if storage.exists(layout.precached_wdinfo):
-        f.problems += verify_wdinfo(layout, layout.precached_dir, layout.precached_wdinfo).problems
+        found = verify_wdinfo(layout, layout.precached_dir, layout.precached_wdinfo)
+        f.problems += found.problems
     return f
 
 
 def verify_energon_index(dataset_dir: str) -> Findings:
     """The ``.nv-meta`` files are there, ``index.sqlite`` opens and counts what ``.info.json`` says,
-    and every indexed tar has its ``.tar.idx``, whole (one offset per sample, and the end)."""
+    every indexed tar has its ``.tar.idx``, whole (one offset per sample, and the end), was not written
+    again since it was indexed, and every complete tar of the folder is indexed."""
+    from shardprep.energon import find_tars
     from shardprep.energon import format as fmt
 
     f = Findings()
@@ -354,6 +401,98 @@ def verify_energon_index(dataset_dir: str) -> Findings:
                 f.fail(f"{meta}/{fmt.INDEX_SQLITE}", f"{n} samples, .info.json counts {sum(counts.values())}")
         except (OSError, sqlite3.Error) as e:
             f.fail(f"{meta}/{fmt.INDEX_SQLITE}", f"unreadable sqlite: {type(e).__name__}: {e}")
+    state = _read(f, f"{meta}/{fmt.STATE_JSON}", lambda u: json.loads(storage.read_bytes(u)), "index state")
+    if isinstance(state, dict):
+        for entry in state.get("tars", []):
+            url = f"{dataset_dir}/{entry['name']}"
+            try:
+                if tuple(storage.stat(url)) != (entry["size"], entry["mtime"]):
+                    f.fail(url, "changed since it was indexed (energon would read it at stale offsets)",
+                           stale=True)
+            except FileNotFoundError:
+                f.fail(url, "indexed, but missing", stale=True)
+        indexed = {e["name"] for e in state.get("tars", [])}
+        unindexed = [t for t in find_tars(dataset_dir) if t not in indexed]
+        if unindexed:
+            f.fail(meta, f"{len(unindexed)} complete tar(s) not indexed: {unindexed[:5]}", stale=True)
+    return f
+
+
+# ---------------------------------------------------------------- one entry point per global artifact
+
+
+def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings:
+    """The cheap checks of an unpartitioned artifact's outputs, and whether they are in step with the
+    per-shard outputs they were made from."""
+    from shardprep.balanced import complete_tar_counts
+
+    checks = {
+        "balanced_shards": lambda: verify_balanced_shards(layout, cfg),
+        "wdinfo": lambda: verify_wdinfo(layout, layout.balanced_dir, layout.balanced_wdinfo,
+                                        complete=sorted(complete_tar_counts(layout.balanced_dir))),
+        "precached_encodings": lambda: verify_precached_encodings(layout, cfg.tar_chunk_size),
+        "image_energon_index": lambda: verify_energon_index(layout.images_dir),
+        "diffusion_energon_index": lambda: verify_energon_index(layout.diffusion_dir),
+        "dataset_report": lambda: Findings() if storage.exists(layout.report_html) else _missing(layout.report_html),
+        "duplicates": lambda: verify_duplicates(layout, cfg) if cfg.dedup else Findings(),
+        "sample_selection": lambda: verify_selection(layout, cfg),
+    }
+    return checks[artifact]()
+
+
+def verify_selection(layout: Layout, cfg: DatasetConfig | None = None) -> Findings:
+    """The selection state names its shards; each has its selection file, whole; (with ``cfg``) each
+    was selected from its shard's current samples, scores and keep mask."""
+    f = Findings()
+    if not storage.exists(layout.selection_state):
+        return f  # no rule: no selection
+    state = _read(f, layout.selection_state, lambda u: json.loads(storage.read_bytes(u)), "selection state")
+    if not isinstance(state, dict):
+        return f
+    for shard, entry in state.get("shards", {}).items():
+        n = _read(f, layout.selection(shard), parquet_rows, "selection parquet")
+        if n is not None and isinstance(entry, dict) and n != entry.get("kept", 0) + sum(entry.get("dropped", {}).values()):
+            f.fail(layout.selection(shard), f"{n} rows, the selection state counts another number")
+    if cfg is not None:
+        from shardprep.selection import active_rules, selection_inputs
+        from shardprep.versions import artifact_versions
+
+        now = selection_inputs(layout, artifact_versions(cfg), active_rules(cfg))
+        for shard, entry in state.get("shards", {}).items():
+            if isinstance(entry, dict) and now.get(shard) not in (None, entry.get("inputs")):
+                f.fail(layout.selection(shard), "selected from samples, scores or a keep mask made again since",
+                       stale=True)
+    return f
+
+
+def verify_duplicates(layout: Layout, cfg: DatasetConfig | None = None) -> Findings:
+    """The dedup state names its shards; each has its keep mask, and the index and SQLite file are there;
+    (with ``cfg``) each shard's embeddings are the ones it was de-duplicated with."""
+    f = Findings()
+    state = _read(f, layout.dedup_state, lambda u: json.loads(storage.read_bytes(u)), "dedup state")
+    if not isinstance(state, dict):
+        return f
+    for url in (layout.dedup_index, layout.dedup_db, layout.dedup_table):
+        if not storage.exists(url):
+            f.fail(url, "missing")
+    for shard in state.get("shards", {}):
+        _read(f, layout.dedup_shard(shard), parquet_rows, "keep mask parquet")
+    if cfg is not None:
+        from shardprep.dedup import embedded_shards
+        from shardprep.versions import artifact_versions
+
+        now = embedded_shards(layout, artifact_versions(cfg)["clip_embeddings"])
+        changed = sorted(s for s, ident in state.get("shards", {}).items() if now.get(s) != ident)
+        if changed:
+            f.fail(layout.dedup_state, f"de-duplicated the embeddings of shard(s) {changed[:5]} as they were before "
+                   "they were made again", stale=True)
+    f.facts.update(dedup_shards=len(state.get("shards", {})))
+    return f
+
+
+def _missing(url: str) -> Findings:
+    f = Findings()
+    f.fail(url, "missing")
     return f
 
 
@@ -388,54 +527,3 @@ def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, 
     found = checks[artifact]()
     found.problems = f.problems + found.problems
     return found
-
-
-def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings:
-    """The cheap checks of an unpartitioned artifact's outputs."""
-    checks = {
-        "balanced_shards": lambda: verify_balanced_shards(layout),
-        "wdinfo": lambda: verify_wdinfo(layout, layout.balanced_dir, layout.balanced_wdinfo),
-        "precached_encodings": lambda: verify_precached_encodings(layout, cfg.tar_chunk_size),
-        "image_energon_index": lambda: verify_energon_index(layout.images_dir),
-        "diffusion_energon_index": lambda: verify_energon_index(layout.diffusion_dir),
-        "dataset_report": lambda: Findings() if storage.exists(layout.report_html) else _missing(layout.report_html),
-        "duplicates": lambda: verify_duplicates(layout) if cfg.dedup else Findings(),
-        "sample_selection": lambda: verify_selection(layout),
-    }
-    return checks[artifact]()
-
-
-def verify_selection(layout: Layout) -> Findings:
-    """The selection state names its shards; each has its selection file, whole."""
-    f = Findings()
-    if not storage.exists(layout.selection_state):
-        return f  # no rule: no selection
-    state = _read(f, layout.selection_state, lambda u: json.loads(storage.read_bytes(u)), "selection state")
-    if not isinstance(state, dict):
-        return f
-    for shard, entry in state.get("shards", {}).items():
-        n = _read(f, layout.selection(shard), parquet_rows, "selection parquet")
-        if n is not None and isinstance(entry, dict) and n != entry.get("kept", 0) + sum(entry.get("dropped", {}).values()):
-            f.fail(layout.selection(shard), f"{n} rows, the selection state counts another number")
-    return f
-
-
-def verify_duplicates(layout: Layout) -> Findings:
-    """The dedup state names its shards; each has its keep mask, and the index and SQLite file are there."""
-    f = Findings()
-    state = _read(f, layout.dedup_state, lambda u: json.loads(storage.read_bytes(u)), "dedup state")
-    if not isinstance(state, dict):
-        return f
-    for url in (layout.dedup_index, layout.dedup_db, layout.dedup_table):
-        if not storage.exists(url):
-            f.fail(url, "missing")
-    for shard in state.get("shards", {}):
-        _read(f, layout.dedup_shard(shard), parquet_rows, "keep mask parquet")
-    f.facts.update(dedup_shards=len(state.get("shards", {})))
-    return f
-
-
-def _missing(url: str) -> Findings:
-    f = Findings()
-    f.fail(url, "missing")
-    return f

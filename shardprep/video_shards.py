@@ -20,6 +20,10 @@ directly (it sends a URL not ending in ``.mp4`` etc., even ``x.mp4?sig=...``, to
 is decoded, so a broken file is a failure, not a sample; every sample is re-encoded, so a ``.webm``
 source is not stored under ``.mp4`` untranscoded; samples are in key order (not completion order).
 Decoding and encoding: PyAV (``shardprep.video_clips``).
+
+A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
+process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
+downloads in flight are abandoned at once, and the next run fetches all its rows again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import threading
 import time
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
@@ -36,7 +41,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from shardprep.config import DatasetConfig
-from shardprep.fetch import default_deadline, fetch, make_pool
+from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.image_shards import ordered_map
 from shardprep.keys import compute_key, shard_key
 from shardprep.storage import join, remove, write_bytes, write_parquet
@@ -124,10 +129,16 @@ def cpu_slots(cfg: DatasetConfig) -> tuple[int, int]:
     return slots, max(1, cores // slots)
 
 
+def _never() -> bool:
+    return False
+
+
 def _process_row(item: tuple[Any, Any, str | None], *, download: Callable, spec: VideoSpec,
-                 slots: threading.Semaphore) -> _Outcome:
+                 slots: threading.Semaphore, stopped: Callable[[], bool] = _never) -> _Outcome:
     """Download + decode/cut/encode one row (in a pool thread: PyAV releases the GIL in FFmpeg).
-    Downloads overlap freely; at most ``slots`` videos are decoded at once (cores, memory)."""
+    Downloads overlap freely; at most ``slots`` videos are decoded at once (cores, memory).
+    ``stopped()``: the shard is being abandoned, so a video downloaded before that is not transcoded
+    (seconds each, one slot at a time: the threads queued for a slot would hold up the exit)."""
     url, spans, span_error = item
     if span_error is not None:
         return _Outcome("failed_to_subsample", span_error)
@@ -135,6 +146,8 @@ def _process_row(item: tuple[Any, Any, str | None], *, download: Callable, spec:
     if fetched.error is not None:
         return _Outcome("failed_to_download", fetched.error)
     with slots:
+        if stopped():
+            raise DownloadsAborted(ABANDONED)
         try:
             return _Outcome("success", video=transcode(fetched.data, spec, spans), nbytes=len(fetched.data))
         except VideoError as e:
@@ -221,11 +234,13 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     keys = [compute_key(i, shard_id, cfg.oom_sample, cfg.oom_shard_count) for i in range(inputs.num_rows)]
     clip_mode = cfg.video_clip_col is not None or cfg.video_clip_length is not None
 
+    pool = make_pool(cfg.video_thread_count)
+    if pool.aborted:  # the process is stopping (abort_all): change nothing
+        raise abandoned_shard(shard)
     # an older, complete run of this shard must not look complete while it is being rewritten
     remove(stats_url)
 
     n_slots, ffmpeg_threads = cpu_slots(cfg)
-    pool = make_pool(cfg.video_thread_count)
     work = partial(
         _process_row,
         download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_video_bytes, retries=cfg.retries,
@@ -233,15 +248,22 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                          total_timeout=download_deadline(cfg)),
         spec=video_spec(cfg, ffmpeg_threads),
         slots=threading.BoundedSemaphore(n_slots),
+        stopped=lambda: pool.aborted,
     )
     rows: dict[str, list] = {name: [] for name in schema.names}
     counts: Counter = Counter()
     status_dict: Counter = Counter()
     bytes_downloaded = 0
+    items = _row_items(values, cfg.video_clip_col)
+    threads = cfg.video_thread_count
     try:
-        with TarWriter(tar_url, remove_stale=True) as tar:
-            items = _row_items(values, cfg.video_clip_col)
-            for i, outcome in enumerate(ordered_map(work, items, cfg.video_thread_count, 2 * cfg.video_thread_count)):
+        # any exception in here (an interrupt, an abort) drops the tar and, closing the results, aborts
+        # the downloads in flight (see image_shards.write_image_shard)
+        with (TarWriter(tar_url, remove_stale=True) as tar,
+              closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort)) as results):
+            for i, outcome in enumerate(results):
+                if pool.aborted:  # the outcomes are no longer the URLs' own: none may be recorded
+                    raise abandoned_shard(shard)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 bytes_downloaded += outcome.nbytes
@@ -261,6 +283,8 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                         caption = values["caption"][i]
                         members["txt"] = str(caption) if caption is not None else ""
                     tar.add(sample["key"], members)
+    except DownloadsAborted:  # fetch's own says which pool, not which shard
+        raise abandoned_shard(shard) from None
     finally:
         pool.clear()
 

@@ -145,21 +145,23 @@ def test_incremental_equals_one_shot_and_noop_rerun(balanced, tmp_path):
     assert find_tars(other.balanced_dir)[-1] == "00005.tar"
     update_balanced_shards(other, shards, chunk_size=CHUNK)
     assert Path(incomplete_marker(other.balanced_tar(5))).exists()
-    # crash after the tars were written but before state.json: the re-run rebuilds the same bytes
+    # crash in the middle of an update (tars written, state.json still the old one, .pending left): the
+    # re-run writes every tar again from the shards, the same bytes
     crash = Layout(str(tmp_path / "crash"))
     shutil.copytree(layout.images_dir, crash.images_dir)
     update_balanced_shards(crash, shards[:3], chunk_size=CHUNK)
     old_state = Path(crash.balanced_dir, "state.json").read_bytes()
     update_balanced_shards(crash, shards, chunk_size=CHUNK)
     Path(crash.balanced_dir, "state.json").write_bytes(old_state)
-    update_balanced_shards(crash, shards, chunk_size=CHUNK)
+    Path(crash.balanced_dir, ".pending").write_bytes(b"")
+    assert update_balanced_shards(crash, shards, chunk_size=CHUNK).rebuilt == "an earlier update was interrupted"
+
     def outputs(folder: str) -> dict[str, bytes]:
         return {p: d for p, (d, _) in files_snapshot(Path(folder)).items()
                 if p == "state.json" or p.endswith((".tar", ".INCOMPLETE"))}
 
     assert outputs(crash.balanced_dir) == outputs(layout.balanced_dir)
-    with pytest.raises(ValueError, match="position 0 is '00002' instead of '00000'"):
-        update_balanced_shards(other, shards[2:], chunk_size=CHUNK)
+    assert not Path(crash.balanced_dir, ".pending").exists()
     with pytest.raises(ValueError, match="chunk_size=4, not 5"):
         update_balanced_shards(other, shards, chunk_size=5)
 

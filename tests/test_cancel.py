@@ -1,5 +1,6 @@
-"""SIGTERM (or Ctrl-C) to `shardprep run`: it cancels its backfills, waits for the cancellation and exits
-128+15; nothing is left in flight, half-written or holding a slot, and a re-run completes."""
+"""SIGTERM (or Ctrl-C) to `shardprep run` while images trickle in: it cancels its backfills and exits 128+15
+within 5 s (Kubernetes kills 30 s after SIGTERM); the downloads in flight are abandoned at once, the
+cancellation completes, nothing is left in flight, half-written or holding a slot, and a re-run completes."""
 
 import signal
 import time
@@ -19,6 +20,21 @@ def slower_dataset(tmp_path, tiny_clip_dir):
         yield config, layout, tmp_path / "dagster_home"
 
 
+def _wait_until_cancelled(home, timeout: float = 60) -> None:
+    """The daemon finishes what the CLI asked (the run's downloads stop at once: this takes seconds)."""
+    import dagster as dg
+    from dagster._core.execution.backfill import BulkActionStatus
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            if all(b.status == BulkActionStatus.CANCELED for b in instance.get_backfills()) and \
+                    all(r.is_finished for r in instance.get_runs()):
+                return
+        time.sleep(0.2)
+    raise AssertionError("the cancellation never completed")
+
+
 def test_sigterm_stops_the_run_promptly_and_cancels_it(slower_dataset):
     import dagster as dg
 
@@ -27,9 +43,12 @@ def test_sigterm_stops_the_run_promptly_and_cancels_it(slower_dataset):
     wait_for(proc, layout.source_parquet("00001"), "shard 00001's run starting")
     time.sleep(1.0)  # its images are downloading
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=180)  # it waits for the cancellation (at most 120 s), not for the rest
+    sent = time.monotonic()
+    out, _ = proc.communicate(timeout=180)
+    assert time.monotonic() - sent < 5, out  # the issue's bound: well inside Kubernetes' 30 s grace
     assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "stopped by SIGTERM" in out
+    assert "stopped by SIGTERM" in out and "FAILED" not in out, out  # cancelled shards are not failures
+    _wait_until_cancelled(home)
 
     # its backfill cancelled: no run left in flight or queued, no global output, nothing half-written
     assert not Path(layout.report_html).exists()

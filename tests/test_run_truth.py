@@ -1,0 +1,68 @@
+"""What a run says about itself is what the instance and the output root hold: a global asset's failure is
+reported with its cause (not Dagster's wrapper line), global assets made from nothing do not claim to be
+materialized, and a bad config is refused before the Dagster instance is even opened."""
+
+import os
+import subprocess
+import sys
+
+import dagster as dg
+import pytest
+
+from orchestration.runner import run_pipeline
+from tests.fixtures import synthetic
+from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
+
+
+@pytest.fixture
+def source(tmp_path, image_site):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[20], n_images=120, seed=5,
+                                   broken_share=0.0)
+    return f"{src}/*.parquet", tmp_path / "out"
+
+
+def test_a_global_asset_failure_names_its_cause(tmp_path, source, tiny_clip_dir, tiny_nemo_dirs):
+    glob, out = source
+    config = write_config(tmp_path / "c.yaml", source=glob, output_root=str(out), samples_per_shard=10,
+                          image_size=32, allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
+                          batch_size=16, tar_chunk_size=4, **nemo_config(tiny_nemo_dirs), enable_nemo_diffusion=False)
+    out.mkdir()
+    (out / "report").write_text("a file where the report's folder must go")
+    with dg.instance_for_test() as instance:
+        summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
+    assert not summary.ok
+    error = summary.failed["(global)"]
+    assert error.startswith("dataset_report: ") and "Error occurred while executing" not in error, error
+    assert "Errno" in error and "report" in error, error  # the OSError itself, naming the path
+    assert summary.materialized["dataset_report"] == 0 and summary.materialized["wdinfo"] == 1
+    assert list(summary.failed) == ["(global)"] and summary.materialized["image_shards"] == 2
+
+
+def test_global_assets_made_from_no_embedding_are_not_materialized(tmp_path, source, tiny_clip_dir):
+    glob, out = source
+    config = write_config(tmp_path / "c.yaml", source=glob, output_root=str(out), samples_per_shard=10,
+                          image_size=32, allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
+                          batch_size=16, dedup=True, enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    out.mkdir()
+    (out / "embeddings").write_text("a file: every shard's clip_embeddings fails")
+    with dg.instance_for_test() as instance:
+        summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
+    assert not summary.ok and summary.materialized["clip_embeddings"] == 0
+    assert summary.materialized["image_shards"] == 2
+    # nothing to de-duplicate, select or report on: none claims to be done
+    for name in ("duplicates", "sample_selection", "dataset_report"):
+        assert summary.materialized[name] == 0, summary.materialized
+    assert "no image shard has CLIP embeddings" in summary.failed["(global)"], summary.failed
+
+
+def test_a_bad_config_is_refused_before_the_instance_is_opened(tmp_path, source):
+    glob, out = source
+    config = write_config(tmp_path / "c.yaml", source=glob, output_root=str(out), image_size=-3)
+    home = tmp_path / "home"
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    for command in (["run"], ["run", "--verify"], ["verify"]):
+        done = subprocess.run([sys.executable, "-m", "orchestration.cli", *command, "--config", config], env=env,
+                              cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "image_size" in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert not home.exists() and not out.exists(), command  # no instance opened, nothing written
