@@ -2,19 +2,20 @@
 
 import dagster as dg
 
-from assets import DOWNLOAD_BATCHED, GPU_BATCHED, NEMO_DIFFUSION, NEMO_TEXT2IMG, global_assets, per_shard_assets
-from orchestration.distributed import executor_for
+from assets import batched, global_assets, per_shard_assets
 from resources import ClipResource, DatasetResource, NemoEncoders
 from resources.dataset import load_dataset
+from resources.executor import executor_for
 from resources.settings import Settings, load_settings
 from sensors import new_source_files_sensor
+from shardprep.artifacts import enabled
 from shardprep.storage import exists
 
 
 def _batched(assets: list[dg.AssetsDefinition], settings: Settings) -> list[dg.AssetsDefinition]:
     """Backfills take several shards per run, so each run loads its models once, not once per shard."""
-    per_run = {**{a.key: settings.gpu_shards_per_run for a in GPU_BATCHED},
-               **{a.key: settings.download_shards_per_run for a in DOWNLOAD_BATCHED}}
+    per_run = {**{a.key: settings.gpu_shards_per_run for a in batched("gpu")},
+               **{a.key: settings.download_shards_per_run for a in batched("download")}}
     return [a.with_attributes(backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=per_run[a.key]))
             if a.key in per_run else a for a in assets]
 
@@ -27,10 +28,8 @@ def _enabled(assets: list[dg.AssetsDefinition], config_path: str) -> list[dg.Ass
     if not exists(config_path):
         return assets
     cfg, versions = load_dataset(config_path)
-    off = {*(NEMO_TEXT2IMG if not cfg.enable_nemo_text2img else []),
-           *(NEMO_DIFFUSION if not cfg.enable_nemo_diffusion else [])}
     return [a.map_asset_specs(lambda spec: spec.replace_attributes(code_version=versions[spec.key.path[-1]]))
-            for a in assets if a not in off]
+            for a in assets if enabled(a.key.path[-1], cfg)]
 
 
 def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definitions:

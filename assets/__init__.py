@@ -19,22 +19,23 @@ from assets.selection import sample_selection
 from assets.source import source_parquet
 from assets.video_diffusion import video_diffusion_samples
 from assets.videos import video_shards
+from shardprep.artifacts import ARTIFACTS, GLOBALS, PER_SHARD
 
-# image_shards and what is made from it do image shards, video_shards and video_diffusion_samples video
-# shards (the ledger knows which is which); each materializes the other kind as "not applicable"
-per_shard_assets = [source_parquet, image_shards, video_shards, clip_embeddings, reordered_embeddings, image_scores,
-                    diffusion_samples, video_diffusion_samples]
-# backfill runs take several shards each (counts: resources/settings.py), per kind of step
-GPU_BATCHED = [clip_embeddings, reordered_embeddings, image_scores, diffusion_samples, video_diffusion_samples]
-DOWNLOAD_BATCHED = [source_parquet, image_shards, video_shards]
-# turned off by the config's enable_nemo_text2img / enable_nemo_diffusion
-NEMO_TEXT2IMG = [balanced_shards, wdinfo, precached_encodings]
-NEMO_DIFFUSION = [diffusion_samples, video_diffusion_samples, diffusion_energon_index]
-global_assets = [duplicates, sample_selection, balanced_shards, wdinfo, precached_encodings, image_energon_index,
-                 diffusion_energon_index, dataset_report]
+_BY_NAME = {a.key.path[-1]: a for a in (source_parquet, image_shards, video_shards, clip_embeddings,
+                                        reordered_embeddings, image_scores, diffusion_samples, video_diffusion_samples,
+                                        duplicates, sample_selection, balanced_shards, wdinfo, precached_encodings,
+                                        image_energon_index, diffusion_energon_index, dataset_report)}
+# in the records' order (shardprep.artifacts): a record without its asset fails here, at import
+per_shard_assets = [_BY_NAME[name] for name in PER_SHARD]
+global_assets = [_BY_NAME[name] for name in GLOBALS]
 
-__all__ = ["DOWNLOAD_BATCHED", "GPU_BATCHED", "NEMO_DIFFUSION", "NEMO_TEXT2IMG", "balanced_shards", "clip_embeddings",
-           "dataset_report", "diffusion_energon_index", "diffusion_samples", "duplicates", "global_assets", "image_energon_index",
-           "image_scores", "sample_selection",
-           "image_shards", "per_shard_assets", "precached_encodings", "reordered_embeddings", "shard_partitions",
+
+def batched(kind: str) -> list:
+    """The per-shard assets whose backfill runs take ``kind``'s shards-per-run ("download", "gpu")."""
+    return [_BY_NAME[name] for name in PER_SHARD if ARTIFACTS[name].batch == kind]
+
+
+__all__ = ["balanced_shards", "batched", "clip_embeddings", "dataset_report", "diffusion_energon_index",
+           "diffusion_samples", "duplicates", "global_assets", "image_energon_index", "image_scores", "image_shards",
+           "per_shard_assets", "precached_encodings", "reordered_embeddings", "sample_selection", "shard_partitions",
            "source_parquet", "video_diffusion_samples", "video_shards", "wdinfo"]

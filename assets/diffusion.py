@@ -2,23 +2,17 @@
 
 import dagster as dg
 
-from assets.images import image_shards
-from assets.partitions import shard_partitions
-from assets.scores import image_scores
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
-from shardprep.diffusion import write_diffusion_samples
-from shardprep.image_scores import read_scores
+from shardprep.curation.image_scores import read_scores
+from shardprep.nemo.diffusion import write_diffusion_samples
 from shardprep.storage import exists
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[image_shards, image_scores],
-    group_name="nemo_diffusion",
+    **from_record("diffusion_samples"),
     kinds={"webdataset", "pytorch"},
-    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
 )
 def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,

@@ -2,20 +2,16 @@
 
 import dagster as dg
 
-from assets.embeddings import clip_embeddings
-from assets.images import image_shards
-from assets.shard_runs import GLOBAL_AUTOMATION, versioned
+from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
 from resources.dataset import DatasetResource
-from shardprep.dedup import embedded_shards, update_duplicates
-from shardprep.selection import shards_with_samples
+from shardprep.curation.dedup import embedded_shards, update_duplicates
+from shardprep.curation.selection import shards_with_samples
 from shardprep.storage import exists, lock, remove_tree
 from shardprep.versions import write_stamp
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping())],
-    group_name="curation",
+    **from_record("duplicates"),
     kinds={"faiss", "parquet"},
     automation_condition=GLOBAL_AUTOMATION,
 )

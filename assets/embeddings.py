@@ -4,25 +4,20 @@ import os
 
 import dagster as dg
 
-from assets.images import image_shards
-from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards, shard_check
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards, shard_check
 from resources.clip import ClipResource
 from resources.dataset import DatasetResource
-from shardprep import encoders
 from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep.embeddings import write_clip_embeddings
 from shardprep.ledger import load_ledger
+from shardprep.models import clip as clip_models
 from shardprep.reorder import reorder_embeddings
 from shardprep.storage import exists
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[image_shards],
-    group_name="embeddings",
+    **from_record("clip_embeddings"),
     kinds={"numpy", "parquet", "pytorch"},
-    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("rows_match_samples", "clip_embeddings",
                              "One finite embedding row per tar sample, aligned with the metadata.")],
@@ -50,14 +45,12 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
                                     check=("rows_match_samples",
                                            lambda key: check_clip_embeddings(layout, key, enable_text)))
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard
-    return result._replace(metadata={**result.metadata, "model_loads_in_process": encoders.LOAD_COUNT,
+    return result._replace(metadata={**result.metadata, "model_loads_in_process": clip_models.LOAD_COUNT,
                                      "pid": os.getpid(), "device": device.name})
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[clip_embeddings],
-    group_name="embeddings",
+    **from_record("reordered_embeddings"),
     kinds={"numpy"},
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("rows_line_up_with_keys", "reordered_embeddings",

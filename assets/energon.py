@@ -2,14 +2,10 @@
 
 import dagster as dg
 
-from assets.diffusion import diffusion_samples
-from assets.images import image_shards
-from assets.selection import sample_selection
-from assets.shard_runs import GLOBAL_AUTOMATION, versioned
-from assets.video_diffusion import video_diffusion_samples
+from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
 from resources.dataset import DatasetResource
+from shardprep.curation.selection import energon_excludes
 from shardprep.energon import find_tars, update_energon_index
-from shardprep.selection import energon_excludes
 from shardprep.storage import exists
 
 
@@ -37,8 +33,7 @@ def _covers_spec(asset: str) -> dg.AssetCheckSpec:
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()), sample_selection],
-    group_name="energon",
+    **from_record("image_energon_index"),
     kinds={"sqlite", "yaml"},
     automation_condition=GLOBAL_AUTOMATION,
     check_specs=[_covers_spec("image_energon_index")],
@@ -62,9 +57,7 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
 
 
 @dg.asset(
-    deps=[dg.AssetDep(diffusion_samples, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(video_diffusion_samples, partition_mapping=dg.AllPartitionMapping()), sample_selection],
-    group_name="energon",
+    **from_record("diffusion_energon_index"),
     kinds={"sqlite", "yaml"},
     automation_condition=GLOBAL_AUTOMATION,
     check_specs=[_covers_spec("diffusion_energon_index")],

@@ -5,21 +5,19 @@ from typing import Callable
 
 import dagster as dg
 
-from assets.partitions import shard_partitions
 from assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     failures_table,
-    in_pool,
+    from_record,
     materialize_shards,
     shard_check,
 )
-from assets.source import source_parquet
 from resources.dataset import DatasetResource
 from shardprep.checks import check_image_shard
-from shardprep.contact_sheet import contact_sheet, inline_image
-from shardprep.image_shards import write_image_shard
+from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
+from shardprep.report.contact_sheet import contact_sheet, inline_image
 from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
 
 
@@ -63,11 +61,8 @@ def contact_sheet_metadata(layout: Layout, key: str, rebuild: bool,
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[source_parquet],
-    group_name="images",
+    **from_record("image_shards"),
     kinds={"webdataset"},
-    **in_pool("download"),
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("tar_matches_parquet", "image_shards",
                              "The tar holds exactly the samples the parquet marks as success.")],

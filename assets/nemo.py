@@ -7,17 +7,15 @@ import pickle
 
 import dagster as dg
 
-from assets.images import image_shards
-from assets.selection import sample_selection
-from assets.shard_runs import GLOBAL_AUTOMATION, gpu_device, in_pool, versioned
+from assets.shard_runs import GLOBAL_AUTOMATION, from_record, gpu_device, versioned
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
-from shardprep.balanced import complete_tar_counts, source_identities, update_balanced_shards
-from shardprep.precache import plan_precache, record_sources, write_precached_encodings
-from shardprep.selection import active_rules, selected_keys
+from shardprep.curation.selection import active_rules, selected_keys
+from shardprep.nemo.balanced import complete_tar_counts, source_identities, update_balanced_shards
+from shardprep.nemo.precache import plan_precache, record_sources, write_precached_encodings
+from shardprep.nemo.wdinfo import write_wdinfo
 from shardprep.storage import exists, lock, read_bytes, remove, remove_tree
 from shardprep.versions import stamped_version, write_stamp
-from shardprep.wdinfo import write_wdinfo
 
 
 class BalancedConfig(dg.Config):
@@ -34,8 +32,7 @@ def _start_over_if_outdated(layout, folder: str, artifact: str, version: str) ->
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()), sample_selection],
-    group_name="nemo_text2img",
+    **from_record("balanced_shards"),
     kinds={"webdataset"},
     automation_condition=GLOBAL_AUTOMATION,
 )
@@ -79,8 +76,7 @@ def _wdinfo_lists_complete_tars(tar_dir: str, wdinfo_url: str) -> dg.AssetCheckR
 
 
 @dg.asset(
-    deps=[balanced_shards],
-    group_name="nemo_text2img",
+    **from_record("wdinfo"),
     kinds={"pickle"},
     automation_condition=dg.AutomationCondition.eager(),
     check_specs=[dg.AssetCheckSpec("lists_every_complete_tar", asset="wdinfo", blocking=True,
@@ -98,10 +94,8 @@ def wdinfo(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.Ma
 
 
 @dg.asset(
-    deps=[balanced_shards],
-    group_name="nemo_text2img",
+    **from_record("precached_encodings"),
     kinds={"webdataset", "pytorch"},
-    **in_pool("gpu"),
     automation_condition=dg.AutomationCondition.eager(),
 )
 def precached_encodings(context: dg.AssetExecutionContext, dataset: DatasetResource,

@@ -2,4 +2,5 @@
 
 import dagster as dg
 
-shard_partitions = dg.DynamicPartitionsDefinition(name="shards")
+SHARD_PARTITIONS = "shards"  # the partition set's name, wherever the instance is asked about it
+shard_partitions = dg.DynamicPartitionsDefinition(name=SHARD_PARTITIONS)

@@ -2,15 +2,9 @@
 
 import dagster as dg
 
-from assets.duplicates import duplicates
-from assets.embeddings import clip_embeddings
-from assets.images import image_shards
-from assets.scores import image_scores
-from assets.selection import sample_selection
-from assets.shard_runs import failures_table, versioned
-from assets.videos import video_shards
+from assets.shard_runs import failures_table, from_record, versioned
 from resources.dataset import DatasetResource
-from shardprep.report import write_report
+from shardprep.report.page import write_report
 
 
 def _summary_markdown(totals: dict, html_path: str) -> str:
@@ -20,11 +14,7 @@ def _summary_markdown(totals: dict, html_path: str) -> str:
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(video_shards, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(clip_embeddings, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(image_scores, partition_mapping=dg.AllPartitionMapping()), duplicates, sample_selection],
-    group_name="reports",
+    **from_record("dataset_report"),
     kinds={"html"},
     # hourly, once shards or embeddings changed since the last tick (or on demand from the UI)
     automation_condition=dg.AutomationCondition.on_cron("0 * * * *"),

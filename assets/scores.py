@@ -4,12 +4,10 @@ import contextlib
 
 import dagster as dg
 
-from assets.embeddings import clip_embeddings
-from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, in_pool, lock_name, materialize_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, lock_name, materialize_shards
 from resources.dataset import DatasetResource
-from shardprep.image_scores import write_image_scores
-from shardprep.scores import load_head
+from shardprep.curation.image_scores import write_image_scores
+from shardprep.curation.scores import load_head
 from shardprep.storage import exists, lock
 from shardprep.verify import file_sizes
 from shardprep.versions import restamp_sizes
@@ -28,7 +26,7 @@ def histogram_markdown(counts: list[int], edges: list[float], width: int = 30) -
 
 def extremes_metadata(layout, key: str, n: int = 8) -> dict:
     """The shard's ``n`` highest and lowest aesthetic scores as inline contact sheets (captions: the score)."""
-    from shardprep.contact_sheet import ContactSheetError, inline_image, render_sheet, samples_of
+    from shardprep.report.contact_sheet import ContactSheetError, inline_image, render_sheet, samples_of
     from shardprep.storage import read_parquet
 
     t = read_parquet(layout.scores(key), ["key", "aesthetic_score"]).to_pandas().dropna().sort_values("aesthetic_score")
@@ -45,11 +43,8 @@ def extremes_metadata(layout, key: str, n: int = 8) -> dict:
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[clip_embeddings],
-    group_name="curation",
+    **from_record("image_scores"),
     kinds={"parquet", "numpy"},
-    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
 )
 def image_scores(context: dg.AssetExecutionContext, config: ShardRunConfig,

@@ -2,20 +2,15 @@
 
 import dagster as dg
 
-from assets.duplicates import duplicates
-from assets.images import image_shards
-from assets.scores import image_scores
-from assets.shard_runs import GLOBAL_AUTOMATION, versioned
+from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
 from resources.dataset import DatasetResource
-from shardprep.selection import active_rules, selection_inputs, shards_with_samples, update_selection
+from shardprep.curation.selection import active_rules, selection_inputs, shards_with_samples, update_selection
 from shardprep.storage import lock
 from shardprep.versions import write_stamp
 
 
 @dg.asset(
-    deps=[dg.AssetDep(image_shards, partition_mapping=dg.AllPartitionMapping()),
-          dg.AssetDep(image_scores, partition_mapping=dg.AllPartitionMapping()), duplicates],
-    group_name="curation",
+    **from_record("sample_selection"),
     kinds={"parquet"},
     automation_condition=GLOBAL_AUTOMATION,
 )

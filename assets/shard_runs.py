@@ -15,10 +15,10 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
 from assets.partitions import shard_partitions
 from resources.dataset import DatasetResource
+from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
-from shardprep.devices import Device, lease
-from shardprep.layout import ARTIFACT_MEDIA
 from shardprep.ledger import shard_media
+from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
 from shardprep.verify import file_sizes
 from shardprep.versions import stamped_version, write_stamp
@@ -33,6 +33,24 @@ def in_pool(pool: str) -> dict[str, Any]:
     """``@asset`` arguments for a step of ``pool``: its Dagster pool (slots bound how many run at once)
     and, under the Celery executor, the worker queue of the same name (``shardprep worker -q gpu``)."""
     return {"pool": pool, "op_tags": {CELERY_QUEUE_TAG: pool}}
+
+
+def from_record(name: str) -> dict[str, Any]:
+    """The ``@asset`` arguments that artifact ``name``'s record fixes (``shardprep.artifacts``): its
+    dependencies (a global asset reads every shard of a per-shard parent), group, shard partitions and
+    pool."""
+    record = ARTIFACTS[name]
+
+    def dep(parent: str) -> dg.AssetDep:
+        whole = not record.partitioned and ARTIFACTS[parent].partitioned
+        return dg.AssetDep(parent, partition_mapping=dg.AllPartitionMapping() if whole else None)
+
+    args: dict[str, Any] = {"deps": [dep(p) for p in record.parents], "group_name": record.group}
+    if record.partitioned:
+        args["partitions_def"] = shard_partitions
+    if record.pool is not None:
+        args.update(in_pool(record.pool))
+    return args
 
 
 class ShardRunConfig(dg.Config):
@@ -91,8 +109,8 @@ def worker_metadata() -> dict[str, Any]:
     def loads(module: str) -> int:  # never imports the module: a step without models reports 0
         return int(getattr(sys.modules.get(module), "LOAD_COUNT", 0))
 
-    return {"worker": f"{socket.gethostname()}:{os.getpid()}", "clip_loads_by_worker": loads("shardprep.encoders"),
-            "nemo_loads_by_worker": loads("shardprep.nemo_encoders")}
+    return {"worker": f"{socket.gethostname()}:{os.getpid()}", "clip_loads_by_worker": loads("shardprep.models.clip"),
+            "nemo_loads_by_worker": loads("shardprep.models.nemo")}
 
 
 def lock_name(artifact: str, key: str) -> str:
@@ -108,7 +126,7 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     version (``shardprep.versions``: a stamp written after the outputs says so), then the asset's
     check, then report. ``describe(shard)``: metadata of outputs found complete (default: none).
 
-    An artifact made from one media only (``layout.ARTIFACT_MEDIA``: image_shards from image shards,
+    An artifact made from one media only (its record's ``media``: image_shards from image shards,
     video_shards from video shards) materializes a shard of the other kind with nothing written (status
     "not applicable"), so every partition of the one shard partition set is complete for every asset.
 
@@ -120,7 +138,7 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
-    media = ARTIFACT_MEDIA.get(artifact)
+    media = ARTIFACTS[artifact].media
     kinds = shard_media(layout, keys) if media is not None else {}
     for key in keys:
         if kinds.get(key, media) != media:
@@ -177,7 +195,7 @@ def versioned(dataset: DatasetResource, artifact: str, result: dg.MaterializeRes
 
 @contextlib.contextmanager
 def gpu_device(context: dg.AssetExecutionContext, dataset: DatasetResource) -> Iterator[Device]:
-    """The device this GPU step works on, leased for the step (``shardprep.devices``: one step per
+    """The device this GPU step works on, leased for the step (``shardprep.models.devices``: one step per
     device, given back when the process ends however it ends) and named in a run tag, so the run shows
     which GPU did its shards."""
     with lease(dataset.config.device) as device:

@@ -5,8 +5,7 @@ import time
 import dagster as dg
 import pyarrow.parquet as pq
 
-from assets.partitions import shard_partitions
-from assets.shard_runs import ShardRunConfig, materialize_shards
+from assets.shard_runs import ShardRunConfig, from_record, materialize_shards
 from resources.dataset import DatasetResource
 from shardprep.ledger import load_ledger
 from shardprep.sources import SourceError, read_rows, required_columns
@@ -14,8 +13,7 @@ from shardprep.storage import atomic_write
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    group_name="images",
+    **from_record("source_parquet"),
     kinds={"parquet"},
 )
 def source_parquet(context: dg.AssetExecutionContext, config: ShardRunConfig,

@@ -2,21 +2,16 @@
 
 import dagster as dg
 
-from assets.partitions import shard_partitions
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, gpu_device, in_pool, materialize_shards
-from assets.videos import video_shards
+from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards
 from resources.dataset import DatasetResource
 from resources.nemo import NemoEncoders
+from shardprep.nemo.video_diffusion import write_video_diffusion_samples
 from shardprep.storage import exists
-from shardprep.video_diffusion import write_video_diffusion_samples
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[video_shards],
-    group_name="nemo_diffusion",
+    **from_record("video_diffusion_samples"),
     kinds={"webdataset", "pytorch"},
-    **in_pool("gpu"),
     automation_condition=SHARD_AUTOMATION,
 )
 def video_diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset: DatasetResource,

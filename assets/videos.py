@@ -5,23 +5,21 @@ import json
 import dagster as dg
 
 from assets.images import contact_sheet_metadata
-from assets.partitions import shard_partitions
 from assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     failures_table,
-    in_pool,
+    from_record,
     materialize_shards,
     shard_check,
 )
-from assets.source import source_parquet
 from resources.dataset import DatasetResource
 from shardprep.checks import check_video_shard
-from shardprep.contact_sheet import video_contact_sheet
 from shardprep.layout import Layout
+from shardprep.report.contact_sheet import video_contact_sheet
 from shardprep.storage import read_bytes, read_parquet, remove, url_to_fs
-from shardprep.video_shards import write_video_shard
-from shardprep.video_summary import clip_summary
+from shardprep.video.shards import write_video_shard
+from shardprep.video.summary import clip_summary
 
 
 def _sheet(layout: Layout, key: str, rebuild: bool) -> dict:
@@ -59,11 +57,8 @@ def _metadata(layout: Layout, key: str) -> dict:
 
 
 @dg.asset(
-    partitions_def=shard_partitions,
-    deps=[source_parquet],
-    group_name="videos",
+    **from_record("video_shards"),
     kinds={"webdataset"},
-    **in_pool("download"),
     automation_condition=SHARD_AUTOMATION,
     check_specs=[shard_check("tar_matches_parquet", "video_shards",
                              "The tar holds exactly the clips the parquet marks as success.")],

@@ -30,7 +30,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from shardprep.dedup import IVF_AT, NPROBE, REGROW, update_duplicates  # noqa: E402
+from shardprep.curation.dedup import IVF_AT, NPROBE, REGROW, update_duplicates  # noqa: E402
 from shardprep.layout import Layout  # noqa: E402
 
 THRESHOLD = 0.95
@@ -161,7 +161,7 @@ def main() -> None:
     lines = [
         "# Duplicates at 1M embeddings", "",
         f"`python bench/dedup.py --rows {args.rows} --dim {args.dim}` on {os.cpu_count()} cores "
-        "(shardprep/dedup.py; method in bench/dedup.py's docstring).", "",
+        "(shardprep/curation/dedup.py; method in bench/dedup.py's docstring).", "",
         "| figure | value |", "|---|---:|",
         f"| embeddings ({args.dim}-d float16, {args.shard:,} per shard) | {args.rows:,} |",
         f"| planted near copies (cosine 0.95-0.995) / exact copies | {len(planted['near']):,} / "

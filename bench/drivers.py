@@ -30,7 +30,7 @@ def _ours_shard(args) -> dict:
     import pyarrow.parquet as pq
 
     from shardprep.config import config_from_dict
-    from shardprep.image_shards import write_image_shard
+    from shardprep.images.shards import write_image_shard
     from shardprep.layout import Layout
 
     cfg = config_from_dict(cfg_dict)
@@ -91,8 +91,8 @@ def images_img2dataset(s: dict) -> dict:
 
 def clip_ours(s: dict) -> dict:
     from shardprep.embeddings import write_clip_embeddings
-    from shardprep.encoders import load_clip_encoder
     from shardprep.layout import Layout
+    from shardprep.models.clip import load_clip_encoder
 
     layout = Layout(s["root"])  # tars in <root>/images, outputs in <root>/embeddings
     shutil.rmtree(layout.embeddings_dir, ignore_errors=True)
@@ -307,7 +307,7 @@ def _ours_video_shard(args) -> dict:
     import pyarrow.parquet as pq
 
     from shardprep.config import config_from_dict
-    from shardprep.video_shards import write_video_shard
+    from shardprep.video.shards import write_video_shard
 
     cfg = config_from_dict(cfg_dict)
     r = write_video_shard(pq.read_table(parquet).slice(offset, length), shard_id, cfg, cfg.output_root)

@@ -72,8 +72,8 @@ def run_gpu(s: dict) -> dict:
     from models import VIT_B_32, VIT_L_14, build_random_clip, text_flops, vision_flops
 
     from shardprep.embeddings import write_clip_embeddings
-    from shardprep.encoders import load_clip_encoder
     from shardprep.layout import Layout
+    from shardprep.models.clip import load_clip_encoder
 
     name = torch.cuda.get_device_name(0)
     peak = _peak(name)

@@ -98,7 +98,7 @@ def compare_clip_outputs(ours_root: str, theirs_dir: str) -> dict:
 
 def clip_fast_vs_exact(model: str, image_files: list[str]) -> dict:
     """Cosine of fast-preprocess and exact-preprocess image embeddings of the same files."""
-    from shardprep.encoders import load_clip_encoder
+    from shardprep.models.clip import load_clip_encoder
 
     enc = load_clip_encoder(model, device="cpu")
     exact = enc.exact()
@@ -108,7 +108,7 @@ def clip_fast_vs_exact(model: str, image_files: list[str]) -> dict:
     cos = (fast * ref).sum(1) / (np.linalg.norm(fast, axis=1) * np.linalg.norm(ref, axis=1))
     from PIL import Image
 
-    from shardprep.encoders import ImageSpec, decode_for_clip
+    from shardprep.models.clip import ImageSpec, decode_for_clip
 
     # model-independent: the fast crop's pixels against the reference preprocess's (before
     # normalisation), for the images that take the DCT-reduced decode

@@ -26,7 +26,7 @@ from dagster_celery.make_app import make_app
 from dagster_celery.tasks import create_task
 from kombu.asynchronous import get_event_loop
 
-from orchestration.distributed import celery_config
+from resources.executor import celery_config
 from resources.settings import load_settings
 from shardprep import fetch
 

@@ -4,7 +4,7 @@
 (RabbitMQ) instead of executing them in the run's own process. Each step goes to the queue named
 after its pool (``download``, ``gpu``; other steps to ``dagster``), so CPU workers take downloads and
 one worker per GPU takes the GPU steps. Steps run inside the long-lived worker process, so the model
-cache of ``shardprep.encoders`` / ``shardprep.nemo_encoders`` survives from shard to shard.
+cache of ``shardprep.models.clip`` / ``shardprep.models.nemo`` survives from shard to shard.
 
 Workers share nothing with the launching machine but the broker, the instance's PostgreSQL and the
 object store (output root and dataset config on ``s3://``).
@@ -17,43 +17,8 @@ import shutil
 import socket
 import sys
 
-from resources.settings import Settings
-
 DEFAULT_QUEUE = "dagster"  # dagster-celery's queue for steps without a pool
 QUEUES = ("download", "gpu", DEFAULT_QUEUE)  # the pools' queues (``assets.shard_runs.in_pool``)
-
-# Worker-side Celery settings (the executor passes the same to the workers' app):
-# - acks_late + reject_on_worker_lost: a task is acknowledged when its step ends, so a worker killed
-#   mid-step (SIGKILL, lost machine) gives its task back to the broker and another worker runs it;
-#   the outputs are written atomically, so the dead worker left nothing half-written.
-# - prefetch 1: a worker reserves one task at a time; a long step never holds a queue of others.
-CELERY_SETTINGS = {
-    "task_acks_late": True,
-    "task_reject_on_worker_lost": True,
-    "worker_prefetch_multiplier": 1,
-    "broker_connection_retry_on_startup": True,
-    "worker_hijack_root_logger": False,
-    "worker_redirect_stdouts_level": "INFO",  # Dagster's step logs are not warnings
-}
-
-
-def celery_config(settings: Settings) -> dict:
-    """dagster-celery's executor config (``broker``, ``backend``, ``config_source``) from the settings."""
-    return {"broker": settings.celery_broker, "backend": settings.celery_backend,
-            "config_source": dict(CELERY_SETTINGS)}
-
-
-def executor_for(settings: Settings):
-    """The executor of every job: one process per run (default), or Celery workers."""
-    import dagster as dg
-
-    if settings.executor == "celery":
-        from dagster_celery import celery_executor
-
-        return celery_executor.configured(celery_config(settings), name="celery")
-    # one process per run, not per step: a run loads each model once and skips ~15 s of imports per step
-    return dg.in_process_executor
-
 
 def worker_argv(queues: list[str], concurrency: int, name: str | None, loglevel: str = "INFO") -> list[str]:
     """The ``celery worker`` command line of a shardprep worker.
@@ -69,7 +34,7 @@ def worker_argv(queues: list[str], concurrency: int, name: str | None, loglevel:
 
 def worker_env(environ: dict[str, str], gpus: str | None, config: str | None) -> dict[str, str]:
     """The worker's environment: ``gpus`` ("0", "2,3") becomes ``CUDA_VISIBLE_DEVICES`` (the worker owns
-    those devices; ``shardprep.devices`` locks them by their physical index); ``config`` the dataset
+    those devices; ``shardprep.models.devices`` locks them by their physical index); ``config`` the dataset
     config the worker's code location loads (the same URL the runs use)."""
     env = dict(environ)
     if gpus is not None:

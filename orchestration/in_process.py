@@ -9,8 +9,9 @@ import sys
 
 import dagster as dg
 
-from orchestration.plan import globals_needed, newest_materialization
-from orchestration.runner import Plan, RunSummary, Stop
+from orchestration.plan import Plan, globals_needed, newest_materialization
+from orchestration.stop import Stop
+from orchestration.summary import RunSummary
 from resources.dataset import HOST_TAG, PID_TAG
 
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}

@@ -14,7 +14,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 
 def pool_limits() -> dict[str, int]:
     """Pool limits set on an instance that has none yet (change them in the UI: Deployment > Concurrency).
-    One GPU step per device (each leases its own, ``shardprep.devices``); downloads are network-bound
+    One GPU step per device (each leases its own, ``shardprep.models.devices``); downloads are network-bound
     and each step decodes on every core, so a couple of them keep the cores busy."""
     settings = load_settings()
     return {"gpu": settings.gpu_slots or default_gpu_slots(),

@@ -26,7 +26,6 @@ from dagster._core.utils import make_new_backfill_id
 
 from orchestration.queue_daemon import IN_FLIGHT, lock_path
 
-SHARDS = "shards"  # assets.partitions.shard_partitions
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 ACTIVE = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
 Pairs = dict[dg.AssetKey, set[str]]  # asset -> shards (unpartitioned assets: {""})

@@ -10,9 +10,14 @@ config's versions as code versions in the UI.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import dagster as dg
 from dagster._core.definitions.data_version import DATA_VERSION_TAG
 from dagster._core.events import DagsterEventType
+
+from shardprep.config import DatasetConfig
+from shardprep.ledger import Registration
 
 
 def current_partitions(instance: dg.DagsterInstance, key: dg.AssetKey, version: str | None) -> set[str]:
@@ -76,3 +81,31 @@ def globals_needed(instance: dg.DagsterInstance, shard_keys: list[dg.AssetKey], 
     newest_shard = newest_materialization(instance, shard_keys)
     oldest_global = min(_latest_storage_id(instance, k) or 0 for k in global_keys)
     return newest_shard > oldest_global
+
+
+@dataclass
+class Plan:
+    """What a run works on: the config, its registered shards, the asset order and what is to do."""
+
+    config_path: str
+    cfg: DatasetConfig
+    registration: Registration
+    defs: dg.Definitions
+    versions: dict[str, str]
+    shard_keys: list[dg.AssetKey]  # per-shard assets, dependency order
+    global_keys: list[dg.AssetKey]  # unpartitioned assets, dependency order
+    todo: dict[str, list[dg.AssetKey]]  # shard -> assets missing or outdated
+    rebuild: bool = False
+
+    @property
+    def shards(self) -> list[str]:
+        return self.registration.all_keys
+
+    def todo_shards(self) -> list[str]:
+        return [s for s in self.shards if self.rebuild or self.todo[s]]
+
+    def assets_to_do(self, shard: str) -> list[dg.AssetKey]:
+        return self.shard_keys if self.rebuild else self.todo[shard]
+
+    def replan(self, instance: dg.DagsterInstance) -> None:
+        self.todo = todo_by_shard(instance, self.shard_keys, self.versions, self.shards)

@@ -21,15 +21,19 @@ import dagster as dg
 from assets.shard_runs import REBUILD_TAG
 from orchestration.instance import instance_lock
 from orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
-from orchestration.plan import globals_needed, newest_materialization
-from orchestration.runner import Plan, RunSummary, Stop, recover_dead_runs
+from orchestration.plan import Plan, globals_needed, newest_materialization
+from orchestration.recovery import recover_dead_runs
+from orchestration.stop import Stop
+from orchestration.summary import RunSummary
 from resources.dataset import CONFIG_TAG
 
 POLL_SECONDS = 0.5
 DAEMON_CHECK_SECONDS = 5.0
-# after SIGTERM: how long the cancellation is waited for (a run's downloads stop at once; Kubernetes
-# kills 30 s after SIGTERM); what is not cancelled by then the daemon finishes cancelling
-CANCEL_WAIT_SECONDS = 4.0
+# after SIGTERM: how long the cancellation is waited for (a run's downloads stop at once and it is
+# usually over by then; Kubernetes kills 30 s after SIGTERM); what is not cancelled by then the daemon
+# finishes cancelling after this process has exited
+CANCEL_WAIT_SECONDS = 2.5
+STOPPING_POLL_SECONDS = 0.1
 MAX_DAEMON_STARTS = 3
 # planning again after waiting on another process's backfill, at most this often (it may keep failing)
 MAX_ROUNDS = 4
@@ -65,7 +69,6 @@ class _Follower:
         self._daemon_checked = 0.0
         self._starts = 0
         self._cancelled: set[str] = set()
-        self._cancel_deadline: float | None = None  # set when a stop signal arrives
 
     def _check_daemon(self) -> None:
         recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
@@ -83,16 +86,15 @@ class _Follower:
         in ``ours`` as ``asset/shard`` strings, for the progress bar."""
         counted: set[str] = set()
         while True:
-            if self.stop.received() is not None:
+            stopping = self.stop.received() is not None
+            if stopping:
                 for backfill_id in ours:
                     if backfill_id not in self._cancelled:
                         cancel(self.instance, backfill_id)
                         self._cancelled.add(backfill_id)
-                if self._cancel_deadline is None:
-                    self._cancel_deadline = time.monotonic() + CANCEL_WAIT_SECONDS
-                if time.monotonic() > self._cancel_deadline:
+                if time.monotonic() > self.stop.at + CANCEL_WAIT_SECONDS:
                     return
-            if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
+            elif time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
                 self._check_daemon()
             states = {b: progress(self.instance, b) for b in ours + others}
             if shards_of:
@@ -105,7 +107,7 @@ class _Follower:
                 self.bar.update(len(newly))
             if all(state.finished for state in states.values()):
                 return
-            time.sleep(POLL_SECONDS)
+            time.sleep(STOPPING_POLL_SECONDS if stopping else POLL_SECONDS)
 
 
 def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], summary: RunSummary,
@@ -172,7 +174,8 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
             if stop.received() is not None or not _launch_globals(plan, instance, summary, follower):
                 break
     bar.close()
-    recover_dead_runs(instance)  # slots a killed worker's run left claimed go back now, not a daemon tick later
+    if stop.signum is None:  # (stopping: be quick; the daemon frees what the cancelled runs held)
+        recover_dead_runs(instance)  # slots a killed worker's run left claimed go back now, not a tick later
     summary.stopped_by = stop.signum
     for backfill_id in summary.backfills:
         summary.runs += instance.get_runs_count(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))

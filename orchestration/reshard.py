@@ -12,6 +12,7 @@ import dagster as dg
 
 from orchestration.invalidate import invalidate
 from resources.dataset import config_url
+from shardprep.artifacts import PER_SHARD
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.ledger import ReshardResult, reshard_source
@@ -28,7 +29,7 @@ def reshard(config_path: str, source_url: str, instance: dg.DagsterInstance | No
     """Re-shard one source file (``shardprep reshard --config CONFIG --source URL``): shards whose rows
     changed lose their materializations of every per-shard asset, new shards become partitions.
     ``instance``: the Dagster instance (default: the CLI's, at $DAGSTER_HOME)."""
-    from assets import per_shard_assets, shard_partitions
+    from assets import shard_partitions
 
     if instance is None:
         from orchestration.instance import get_instance
@@ -37,7 +38,7 @@ def reshard(config_path: str, source_url: str, instance: dg.DagsterInstance | No
     cfg = load_config(config_url(config_path))
 
     def wipe(shards: list[str]) -> None:
-        invalidate(instance, Layout(cfg.output_root), [a.key.path[-1] for a in per_shard_assets], shards)
+        invalidate(instance, Layout(cfg.output_root), list(PER_SHARD), shards)
 
     result = reshard_source(cfg, source_url, on_invalidated=wipe)
     for chunk in _chunks(result.new_keys, PARTITION_ADD_CHUNK):

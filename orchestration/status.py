@@ -148,8 +148,9 @@ def load_defs(config_path: str | None) -> dg.Definitions:
 def media_note(config_path: str) -> str:
     """A line saying how many shards are image and video shards, when there are video shards (each
     per-shard asset is materialized for both kinds; one of them only says "not applicable")."""
+    from shardprep.artifacts import ARTIFACTS
     from shardprep.config import ConfigError, load_config
-    from shardprep.layout import ARTIFACT_MEDIA, Layout
+    from shardprep.layout import Layout
     from shardprep.ledger import load_ledger, media_of
 
     try:
@@ -159,7 +160,7 @@ def media_note(config_path: str) -> str:
     if ledger is None or all(media_of(f) == "image" for f in ledger.files):
         return ""
     kinds = [s.media for s in ledger.shards()]
-    only = {m: ", ".join(a for a, am in ARTIFACT_MEDIA.items() if am == m) for m in ("image", "video")}
+    only = {m: ", ".join(a.name for a in ARTIFACTS.values() if a.media == m) for m in ("image", "video")}
     return (f"shards: {kinds.count('image')} image, {kinds.count('video')} video. Image shards only: {only['image']}; "
             f"video shards only: {only['video']} (the other kind is materialized as not applicable)")
 

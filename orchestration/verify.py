@@ -21,8 +21,9 @@ import dagster as dg
 from orchestration.invalidate import invalidate
 from orchestration.plan import current_partitions, latest_version
 from resources.dataset import config_url
+from shardprep.artifacts import ARTIFACTS, GLOBALS
 from shardprep.config import load_config
-from shardprep.layout import ARTIFACT_MEDIA, Layout, applies
+from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.verify import Problem, verify_global, verify_shard
 from shardprep.versions import artifact_versions, remove_stamp
@@ -50,7 +51,7 @@ class VerifyReport:
         return out
 
     def summary(self) -> str:
-        lines = [f"verified {n} {'shards' if asset not in _global_names() else 'output'} of {asset}"
+        lines = [f"verified {n} {'shards' if asset not in GLOBALS else 'output'} of {asset}"
                  for asset, n in self.checked.items()]
         lines += [f"{'STALE' if p.stale else 'BROKEN'} {p}" for p in self.problems]
         if self.problems:
@@ -60,12 +61,6 @@ class VerifyReport:
         else:
             lines.append("every output is complete")
         return "\n".join(lines)
-
-
-def _global_names() -> set[str]:
-    from assets import global_assets
-
-    return {a.key.path[-1] for a in global_assets}
 
 
 def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = True) -> VerifyReport:
@@ -86,8 +81,8 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
             if node.partitions_def is not None:
                 # only the shards the asset makes something of (an image-only dataset: no video_shards)
                 shards = sorted(s for s in current_partitions(instance, key, versions.get(name)) & shard_of.keys()
-                                if applies(name, shard_of[s].media))
-                if not shards and name in ARTIFACT_MEDIA:
+                                if ARTIFACTS[name].applies(shard_of[s].media))
+                if not shards and ARTIFACTS[name].media is not None:
                     continue
                 found = pool.map(lambda s, n=name: verify_shard(layout, cfg, n, s, shard_of[s].rows,
                                                                  media=shard_of[s].media), shards)
@@ -103,7 +98,7 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
 
 
 def _mark(instance: dg.DagsterInstance, layout: Layout, report: VerifyReport) -> None:
-    globals_ = _global_names()
+    globals_ = set(GLOBALS)
     damaged = {p.artifact for p in report.problems if not p.stale}
     for asset, shards in report.broken().items():
         if asset in globals_:

@@ -3,7 +3,7 @@
 import dagster as dg
 
 from resources.dataset import DatasetResource
-from shardprep.encoders import ClipEncoder, load_clip_encoder
+from shardprep.models.clip import ClipEncoder, load_clip_encoder
 
 
 class ClipResource(dg.ConfigurableResource):
@@ -24,5 +24,5 @@ class ClipResource(dg.ConfigurableResource):
 
     def encoder(self, device: str | None = None) -> ClipEncoder:
         """The model on ``device`` (the step's leased device; default: the configured one). Cached per
-        process and device in shardprep.encoders, so a multi-shard run loads the model once."""
+        process and device in shardprep.models.clip, so a multi-shard run loads the model once."""
         return load_clip_encoder(self.spec, device=device or self.device or self.dataset.config.device)

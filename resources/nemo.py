@@ -4,13 +4,13 @@ process."""
 import dagster as dg
 
 from resources.dataset import DatasetResource
-from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder, T5TextEncoder
-from shardprep.video_latents import VideoAutoencoder
+from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder, T5TextEncoder
+from shardprep.models.video_autoencoders import VideoAutoencoder
 
 
 class NemoEncoders(dg.ConfigurableResource):
     """Model paths and sizes come from the dataset config; models are cached per process by
-    shardprep.nemo_encoders, so a batched backfill run loads each of them once."""
+    shardprep.models.nemo, so a batched backfill run loads each of them once."""
 
     dataset: DatasetResource
 

@@ -99,6 +99,6 @@ def default_download_slots() -> int:
 
 
 def default_gpu_slots() -> int:
-    from shardprep.devices import visible_devices
+    from shardprep.models.devices import visible_devices
 
     return len(visible_devices())

@@ -88,7 +88,7 @@ class DatasetConfig(BaseModel):
     video_source: Text | None = Field(None, description="a parquet file, folder or glob (like 'source'), or null")
     video_url_col: Text = "url"
     video_caption_col: Text | None = Field("caption", description="a column name or null (no captions)")
-    # videos (shardprep/video_shards.py), the options of video2dataset's subsamplers under its names:
+    # videos (shardprep/video/shards.py), the options of video2dataset's subsamplers under its names:
     # video_size + video_resize_mode its ResolutionSubsampler (null size: keep it), video_frame_rate its
     # FrameSubsampler (null: the source's average rate), video_clip_* its ClippingSubsampler (max_length,
     # min_length, max_length_strategy; spans from video_clip_col, else the whole video). Every video is
@@ -120,19 +120,19 @@ class DatasetConfig(BaseModel):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     batch_size: PositiveInt = 256
     enable_text: Flag = True
-    # curation scores of every image from its CLIP embedding (image_scores; shardprep/scores.py): a head file
+    # curation scores of every image from its CLIP embedding (image_scores; shardprep/curation/scores.py): a head file
     # in its published format (local path, fsspec URL, or hub id read from the local Hugging Face cache),
     # checked at load against clip_model's embedding width; null: not scored
     aesthetic_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
     nsfw_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
     # LAION's watermark detector reads pixels, not embeddings: accepted, reported as not scored
     watermark_model: Text | None = Field(None, description="a watermark model path or null")
-    # duplicates across every image shard (shardprep/dedup.py): exact (same sha256 of the downloaded bytes)
+    # duplicates across every image shard (shardprep/curation/dedup.py): exact (same sha256 of the downloaded bytes)
     # and near (cosine of the CLIP image embeddings >= dedup_threshold; clip-retrieval's query-time dedup
     # uses 0.94), the first arrival kept
     dedup: Flag = False
     dedup_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False, description="a cosine similarity in (0, 1]")
-    # curation rules (shardprep/selection.py): the samples the training outputs use (balanced tars, precache,
+    # curation rules (shardprep/curation/selection.py): the samples the training outputs use (balanced tars, precache,
     # both energon datasets, the loaders' selection option); unset: not applied. dedup: true drops duplicates.
     aesthetic_min: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
         None, description="a number (LAION-Aesthetics V2: 4.5 to 6.5; needs aesthetic_model) or null")
@@ -145,7 +145,7 @@ class DatasetConfig(BaseModel):
     # NeMo text2img: equal-size tars + wdinfo.pkl (reorganize_tar, generate_wdinfo), precached SD encodings
     enable_nemo_text2img: Flag = True
     tar_chunk_size: PositiveInt = 1000
-    # the SD autoencoder downsamples 8x (shardprep/precache.py)
+    # the SD autoencoder downsamples 8x (shardprep/nemo/precache.py)
     precache_resolution: int = Field(512, gt=0, multiple_of=8, description="a positive multiple of 8")
     precache_keep_original: Flag = False
     sd_autoencoder: Text = "stabilityai/sd-vae-ft-mse"  # a diffusers AutoencoderKL folder (4 latent channels)
@@ -154,10 +154,10 @@ class DatasetConfig(BaseModel):
     enable_nemo_diffusion: Flag = True
     diffusion_t5_model: Text = "google-t5/t5-11b"  # NeMo DiT's text encoder (d_model 1024)
     diffusion_autoencoder: Text = "black-forest-labs/FLUX.1-schnell/vae"  # 16 latent channels, or cosmos:<dir>
-    # 8x autoencoder downsampling, then DiT's 2x2 patches (shardprep/diffusion.py)
+    # 8x autoencoder downsampling, then DiT's 2x2 patches (shardprep/nemo/diffusion.py)
     diffusion_resolution: int = Field(512, gt=0, multiple_of=16, description="a positive multiple of 16")
     nemo_batch_size: PositiveInt = 16
-    # video diffusion samples (shardprep/video_diffusion.py): a causal video autoencoder (cosmos:<dir> of
+    # video diffusion samples (shardprep/nemo/video_diffusion.py): a causal video autoencoder (cosmos:<dir> of
     # NVIDIA's TorchScript tokenizer, or a diffusers AutoencoderKLCosmos / AutoencoderKLWan folder); clips
     # are cut to video_diffusion_frames at most (then to 1 + k * its temporal compression) and resized
     # so the shorter side is video_diffusion_resolution (both sides multiples of 16)
@@ -305,15 +305,15 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
     return cfg
 
 
-# the head kinds (shardprep.scores) each score field takes
+# the head kinds (shardprep.curation.scores) each score field takes
 SCORE_FIELDS = {"aesthetic_model": ("aesthetic_v2", "aesthetic_v1"), "nsfw_model": ("nsfw_l14", "nsfw_b32", "nsfw_h14")}
 
 
 def _check_score_heads(cfg: DatasetConfig, origin: str) -> None:
     """Each configured head is readable, of its field's kind, and reads clip_model's embeddings (an L/14
     head on B/32 embeddings is refused here, not after the embeddings are made)."""
-    from shardprep.encoders import embedding_width
-    from shardprep.scores import ScoreModelError, load_head
+    from shardprep.curation.scores import ScoreModelError, load_head
+    from shardprep.models.clip import embedding_width
 
     problems = [f"config field '{rule}': needs '{field}' (the head whose score it reads)"
                 for rule, field in (("aesthetic_min", "aesthetic_model"), ("nsfw_max", "nsfw_model"))

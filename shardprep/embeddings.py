@@ -31,7 +31,7 @@ from shardprep.storage import atomic_write, exists, remove, write_npy
 from shardprep.tars import iter_samples
 
 if TYPE_CHECKING:
-    from shardprep.encoders import ClipEncoder
+    from shardprep.models.clip import ClipEncoder
 
 IMAGE_EXTS = ("jpg", "png", "webp")  # img2dataset's encode formats, in the order we look for them
 _CHUNK = 16  # samples per pool task: amortises the future overhead, still spreads over threads

@@ -2,16 +2,7 @@
 
 from dataclasses import dataclass
 
-# per-shard artifacts made only from shards of one media (the ledger's, by source); source_parquet is
-# made for every shard
-ARTIFACT_MEDIA = {"image_shards": "image", "clip_embeddings": "image", "reordered_embeddings": "image",
-                  "image_scores": "image",
-                  "diffusion_samples": "image", "video_shards": "video", "video_diffusion_samples": "video"}
-
-
-def applies(artifact: str, media: str) -> bool:
-    """Whether ``artifact`` makes outputs for a shard of ``media`` ("image" or "video")."""
-    return ARTIFACT_MEDIA.get(artifact, media) == media
+from shardprep.artifacts import ARTIFACTS
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ class Layout:
     def scores(self, shard: str) -> str:
         return self._join("scores", f"{shard}.parquet")
 
-    # duplicates: the dedup index and state (shardprep/dedup.py), keep masks per shard
+    # duplicates: the dedup index and state (shardprep/curation/dedup.py), keep masks per shard
     @property
     def dedup_dir(self) -> str:
         return self._join("dedup")
@@ -122,7 +113,7 @@ class Layout:
     def dedup_shard(self, shard: str) -> str:
         return self._join("dedup", "shards", f"{shard}.parquet")
 
-    # sample_selection: the samples the training outputs use (shardprep/selection.py)
+    # sample_selection: the samples the training outputs use (shardprep/curation/selection.py)
     @property
     def selection_dir(self) -> str:
         return self._join("selection")
@@ -178,18 +169,9 @@ class Layout:
         return self._join("report", "index.html")
 
     def shard_outputs(self, artifact: str, shard: str) -> list[str]:
-        """The files a per-shard artifact may write for ``shard`` (those written are recorded in its
-        stamp, so ``verify`` finds one that went missing or changed size)."""
-        return {
-            "source_parquet": lambda: [self.source_parquet(shard)],
-            "image_shards": lambda: [self.tar(shard), self.shard_parquet(shard), self.shard_stats(shard)],
-            "video_shards": lambda: [self.video_tar(shard), self.video_parquet(shard), self.video_stats(shard)],
-            "clip_embeddings": lambda: [self.img_emb(shard), self.text_emb(shard), self.emb_metadata(shard)],
-            "reordered_embeddings": lambda: [self.reordered_img(shard), self.reordered_text(shard)],
-            "image_scores": lambda: [self.scores(shard)],
-            "diffusion_samples": lambda: [self.diffusion_tar(shard)],
-            "video_diffusion_samples": lambda: [self.diffusion_tar(shard)],
-        }[artifact]()
+        """The files a per-shard artifact may write for ``shard`` (its record's ``outputs``; those written
+        are recorded in its stamp, so ``verify`` finds one that went missing or changed size)."""
+        return [getattr(self, method)(shard) for method in ARTIFACTS[artifact].outputs]
 
     # bookkeeping: which version each finished output was made with (shardprep.versions)
     def stamp(self, artifact: str, shard: str) -> str:

@@ -321,6 +321,14 @@ def read_parquet(url: str, columns: list[str] | None = None):
         return pq.read_table(f, columns=columns)
 
 
+def parquet_rows(url: str) -> int:
+    """Row count from the parquet footer (reading the footer proves the file ends where it should)."""
+    import pyarrow.parquet as pq
+
+    with open_read(url) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
 def read_keyed(url: str, column: str, key: str = "key") -> dict | None:
     """``{key: value of column}`` of a parquet file's rows, or None when there is no file."""
     if not exists(url):

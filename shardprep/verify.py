@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardprep import storage
+from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
 from shardprep.keys import index_of_key
-from shardprep.layout import Layout, applies
+from shardprep.layout import Layout
+from shardprep.storage import parquet_rows
 from shardprep.tars import header_samples, sample_keys
-from shardprep.versions import read_stamp
+from shardprep.versions import ALL_SHARDS, read_stamp
 
 
 @dataclass
@@ -83,14 +85,6 @@ def npy_header(url: str) -> tuple[tuple[int, ...], np.dtype]:
     if size != want:
         raise ValueError(f"{size} bytes, its header promises {want} (shape {shape}, {dtype})")
     return shape, dtype
-
-
-def parquet_rows(url: str) -> int:
-    """Row count from the parquet footer (reading the footer proves the file ends where it should)."""
-    import pyarrow.parquet as pq
-
-    with storage.open_read(url) as f:
-        return pq.ParquetFile(f).metadata.num_rows
 
 
 def _read(findings: Findings, url: str, reader, what: str):
@@ -294,7 +288,7 @@ def verify_diffusion_samples(layout: Layout, shard: str) -> Findings:
 def verify_balanced_shards(layout: Layout, cfg: DatasetConfig | None = None) -> Findings:
     """Every tar the balanced state records reads to its end with the recorded sample count, no update
     was left half done, and (with ``cfg``) every consumed shard's samples are as the shard holds them now."""
-    from shardprep import balanced
+    from shardprep.nemo import balanced
 
     f = Findings()
     state = _read(f, balanced.state_url(layout), lambda u: balanced.load_state(layout), "balanced state")
@@ -314,7 +308,7 @@ def verify_balanced_shards(layout: Layout, cfg: DatasetConfig | None = None) -> 
     f.facts.update(tars=len(state["tars"]))
     if cfg is None:
         return f
-    from shardprep.selection import active_rules
+    from shardprep.curation.selection import active_rules
     from shardprep.versions import artifact_versions
 
     now = balanced.source_identities(layout, artifact_versions(cfg), bool(active_rules(cfg)))
@@ -345,7 +339,7 @@ def verify_wdinfo(layout: Layout, folder: str, wdinfo_url: str, complete: list[s
 def verify_precached_encodings(layout: Layout, chunk_size: int) -> Findings:
     """Every precached tar reads to its end with ``chunk_size`` samples; each complete balanced tar has an
     encoding made from its current samples, and no other encoding is left; its wdinfo loads."""
-    from shardprep.precache import plan_precache
+    from shardprep.nemo.precache import plan_precache
 
     f = Findings()
     if not storage.exists(layout.precached_dir):
@@ -418,28 +412,6 @@ def verify_energon_index(dataset_dir: str) -> Findings:
     return f
 
 
-# ---------------------------------------------------------------- one entry point per global artifact
-
-
-def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings:
-    """The cheap checks of an unpartitioned artifact's outputs, and whether they are in step with the
-    per-shard outputs they were made from."""
-    from shardprep.balanced import complete_tar_counts
-
-    checks = {
-        "balanced_shards": lambda: verify_balanced_shards(layout, cfg),
-        "wdinfo": lambda: verify_wdinfo(layout, layout.balanced_dir, layout.balanced_wdinfo,
-                                        complete=sorted(complete_tar_counts(layout.balanced_dir))),
-        "precached_encodings": lambda: verify_precached_encodings(layout, cfg.tar_chunk_size),
-        "image_energon_index": lambda: verify_energon_index(layout.images_dir),
-        "diffusion_energon_index": lambda: verify_energon_index(layout.diffusion_dir),
-        "dataset_report": lambda: Findings() if storage.exists(layout.report_html) else _missing(layout.report_html),
-        "duplicates": lambda: verify_duplicates(layout, cfg) if cfg.dedup else Findings(),
-        "sample_selection": lambda: verify_selection(layout, cfg),
-    }
-    return checks[artifact]()
-
-
 def verify_selection(layout: Layout, cfg: DatasetConfig | None = None) -> Findings:
     """The selection state names its shards; each has its selection file, whole; (with ``cfg``) each
     was selected from its shard's current samples, scores and keep mask."""
@@ -454,7 +426,7 @@ def verify_selection(layout: Layout, cfg: DatasetConfig | None = None) -> Findin
         if n is not None and isinstance(entry, dict) and n != entry.get("kept", 0) + sum(entry.get("dropped", {}).values()):
             f.fail(layout.selection(shard), f"{n} rows, the selection state counts another number")
     if cfg is not None:
-        from shardprep.selection import active_rules, selection_inputs
+        from shardprep.curation.selection import active_rules, selection_inputs
         from shardprep.versions import artifact_versions
 
         now = selection_inputs(layout, artifact_versions(cfg), active_rules(cfg))
@@ -478,7 +450,7 @@ def verify_duplicates(layout: Layout, cfg: DatasetConfig | None = None) -> Findi
     for shard in state.get("shards", {}):
         _read(f, layout.dedup_shard(shard), parquet_rows, "keep mask parquet")
     if cfg is not None:
-        from shardprep.dedup import embedded_shards
+        from shardprep.curation.dedup import embedded_shards
         from shardprep.versions import artifact_versions
 
         now = embedded_shards(layout, artifact_versions(cfg)["clip_embeddings"])
@@ -496,34 +468,107 @@ def _missing(url: str) -> Findings:
     return f
 
 
-# ---------------------------------------------------------------- one entry point per shard
+# ---------------------------------------------------------------- each artifact, as its record names it
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one check reads: an artifact's outputs for one shard (``ALL_SHARDS``: a global artifact's)."""
+
+    layout: Layout
+    cfg: DatasetConfig
+    shard: str = ALL_SHARDS
+    rows: int | None = None  # the shard's rows, as the ledger gives them
+    read_tars: bool = True  # False: no tar is read (the dataset report over thousands of shards)
+
+
+def check_source_parquet(t: Target) -> Findings:
+    return verify_source_parquet(t.layout, t.shard, t.rows)
+
+
+def check_image_shards(t: Target) -> Findings:
+    return verify_image_shard(t.layout, t.shard, t.rows, read_tar=t.read_tars)
+
+
+def check_video_shards(t: Target) -> Findings:
+    return verify_video_shard(t.layout, t.shard, t.rows, read_tar=t.read_tars)
+
+
+def check_clip_embeddings(t: Target) -> Findings:
+    return verify_clip_embeddings(t.layout, t.shard, t.cfg.enable_text and t.cfg.caption_col is not None)
+
+
+def check_reordered_embeddings(t: Target) -> Findings:
+    return verify_reordered_embeddings(t.layout, t.shard, t.rows)
+
+
+def check_image_scores(t: Target) -> Findings:
+    return verify_image_scores(t.layout, t.shard, scored=bool(t.cfg.aesthetic_model or t.cfg.nsfw_model))
+
+
+def check_diffusion_samples(t: Target) -> Findings:
+    return verify_diffusion_samples(t.layout, t.shard) if t.read_tars else Findings()
+
+
+def check_duplicates(t: Target) -> Findings:
+    return verify_duplicates(t.layout, t.cfg) if t.cfg.dedup else Findings()
+
+
+def check_sample_selection(t: Target) -> Findings:
+    return verify_selection(t.layout, t.cfg)
+
+
+def check_balanced_shards(t: Target) -> Findings:
+    return verify_balanced_shards(t.layout, t.cfg)
+
+
+def check_wdinfo(t: Target) -> Findings:
+    from shardprep.nemo.balanced import complete_tar_counts
+
+    return verify_wdinfo(t.layout, t.layout.balanced_dir, t.layout.balanced_wdinfo,
+                         complete=sorted(complete_tar_counts(t.layout.balanced_dir)))
+
+
+def check_precached_encodings(t: Target) -> Findings:
+    return verify_precached_encodings(t.layout, t.cfg.tar_chunk_size)
+
+
+def check_image_energon_index(t: Target) -> Findings:
+    return verify_energon_index(t.layout.images_dir)
+
+
+def check_diffusion_energon_index(t: Target) -> Findings:
+    return verify_energon_index(t.layout.diffusion_dir)
+
+
+def check_dataset_report(t: Target) -> Findings:
+    return Findings() if storage.exists(t.layout.report_html) else _missing(t.layout.report_html)
 
 
 def verify_shard(layout: Layout, cfg: DatasetConfig, artifact: str, shard: str, rows: int | None = None,
                  read_tars: bool = True, media: str = "image") -> Findings:
     """The cheap checks of ``artifact``'s outputs for ``shard``: the files its stamp recorded are all
-    there at their recorded size, then the artifact's own checks (``read_tars=False``: no tar is read,
+    there at their recorded size, then the check its record names (``read_tars=False``: no tar is read,
     for the dataset report over thousands of shards). A shard of a ``media`` the artifact does not
-    apply to (``layout.applies``) has nothing to check."""
+    apply to has nothing to check."""
     f = Findings()
-    if not applies(artifact, media):
+    if not ARTIFACTS[artifact].applies(media):
         return f
     stamp = read_stamp(layout, artifact, shard)
     if stamp:
         recorded_sizes(f, stamp.get("outputs", {}))
         if f.problems:
             return f
-    enable_text = cfg.enable_text and cfg.caption_col is not None
-    checks = {
-        "source_parquet": lambda: verify_source_parquet(layout, shard, rows),
-        "image_shards": lambda: verify_image_shard(layout, shard, rows, read_tar=read_tars),
-        "video_shards": lambda: verify_video_shard(layout, shard, rows, read_tar=read_tars),
-        "clip_embeddings": lambda: verify_clip_embeddings(layout, shard, enable_text),
-        "reordered_embeddings": lambda: verify_reordered_embeddings(layout, shard, rows),
-        "image_scores": lambda: verify_image_scores(layout, shard, scored=bool(cfg.aesthetic_model or cfg.nsfw_model)),
-        "diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
-        "video_diffusion_samples": lambda: verify_diffusion_samples(layout, shard) if read_tars else Findings(),
-    }
-    found = checks[artifact]()
+    found = _check(artifact, Target(layout, cfg, shard, rows, read_tars))
     found.problems = f.problems + found.problems
     return found
+
+
+def verify_global(layout: Layout, cfg: DatasetConfig, artifact: str) -> Findings:
+    """The cheap checks of an unpartitioned artifact's outputs, and whether they are in step with the
+    per-shard outputs they were made from."""
+    return _check(artifact, Target(layout, cfg))
+
+
+def _check(artifact: str, target: Target) -> Findings:
+    return globals()[ARTIFACTS[artifact].verify](target)

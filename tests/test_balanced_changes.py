@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 
-from shardprep.balanced import incomplete_marker, load_state, update_balanced_shards
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
+from shardprep.nemo.balanced import incomplete_marker, load_state, update_balanced_shards
 from shardprep.tars import TarWriter
 from tests.test_balanced_index import _jpeg
 

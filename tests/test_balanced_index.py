@@ -24,12 +24,12 @@ import webdataset as wds
 import yaml
 from PIL import Image
 
-from shardprep.balanced import incomplete_marker, update_balanced_shards
 from shardprep.energon import assign_splits, collapse_names, find_tars, read_tar_idx, update_energon_index
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
+from shardprep.nemo.balanced import incomplete_marker, update_balanced_shards
+from shardprep.nemo.wdinfo import write_wdinfo
 from shardprep.tars import TarWriter
-from shardprep.wdinfo import write_wdinfo
 
 ENERGON = str(Path(sys.executable).with_name("energon"))
 OOM_SAMPLE = 2  # samples_per_shard = 100

@@ -45,7 +45,8 @@ def test_sigterm_stops_the_run_promptly_and_cancels_it(slower_dataset):
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     out, _ = proc.communicate(timeout=180)
-    assert time.monotonic() - sent < 5, out  # the issue's bound: well inside Kubernetes' 30 s grace
+    took = time.monotonic() - sent
+    assert took < 5, f"exited {took:.1f} s after SIGTERM:\n{out}"  # the issue's bound: inside Kubernetes' 30 s
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out and "FAILED" not in out, out  # cancelled shards are not failures
     _wait_until_cancelled(home)

@@ -9,8 +9,8 @@ import pytest
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageFont
 
-import shardprep.contact_sheet as cs
-from shardprep.contact_sheet import FallbackFont, _fit, _font, contact_sheet, font_cmap, font_paths, grid_size
+import shardprep.report.contact_sheet as cs
+from shardprep.report.contact_sheet import FallbackFont, _fit, _font, contact_sheet, font_cmap, font_paths, grid_size
 
 MIXED = "Café naïve Ελληνικά λόγος Жизнь ёж Ærøskøbing ñandú Straße"
 CJK = "東京の夜景"
@@ -137,7 +137,7 @@ def test_an_image_shard_with_non_ascii_captions_makes_a_png(tmp_path):
 
 
 def test_a_video_shard_with_non_ascii_captions_makes_a_png(tmp_path):
-    from shardprep.contact_sheet import video_contact_sheet
+    from shardprep.report.contact_sheet import video_contact_sheet
     from tests.fixtures.videos import encode
 
     clip = encode("mp4", "libx264", n_frames=12, options={"preset": "ultrafast"})

@@ -1,4 +1,4 @@
-"""shardprep.dedup on synthetic shards in clip-retrieval's layout: duplicates planted within a shard, across
+"""shardprep.curation.dedup on synthetic shards in clip-retrieval's layout: duplicates planted within a shard, across
 shards and across arrivals are found against brute force, old shards are not read again, the exact and
 IVF indexes agree, and a new threshold, changed embeddings or a torn update start over."""
 
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardprep.dedup import keep_mask, update_duplicates
+from shardprep.curation.dedup import keep_mask, update_duplicates
 from shardprep.layout import Layout
 
 DIM = 48
@@ -88,7 +88,7 @@ def test_duplicates_across_arrivals_match_brute_force(planted, monkeypatch):
     assert first.shards_added == ["00000", "00001"] and first.index == "flat"
 
     # the third shard arrives: the first two are not read again
-    import shardprep.dedup as dedup
+    import shardprep.curation.dedup as dedup
 
     read = []
     original = dedup._shard_inputs

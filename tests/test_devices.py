@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shardprep import devices
+from shardprep.models import devices
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_leases_are_distinct_and_wait_when_all_are_taken(three_devices):
 
 
 def test_a_killed_holders_device_is_leased_again(three_devices):
-    code = ("import time\nfrom shardprep import devices\n"
+    code = ("import time\nfrom shardprep.models import devices\n"
             "with devices.lease('sim1'):\n    print('held', flush=True)\n    time.sleep(60)\n")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
     assert child.stdout.readline().strip() == "held"

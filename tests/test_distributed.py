@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import dagster as dg
-import pytest
 
 from orchestration.launch import run_partitions
 from shardprep.layout import Layout

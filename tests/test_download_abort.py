@@ -24,9 +24,9 @@ import pytest
 from shardprep import fetch as fetch_module
 from shardprep.config import config_from_dict
 from shardprep.fetch import DownloadsAborted, abort_all, fetch, make_pool
-from shardprep.image_shards import ordered_map, write_image_shard
+from shardprep.images.shards import ordered_map, write_image_shard
 from shardprep.layout import Layout
-from shardprep.video_shards import write_video_shard
+from shardprep.video.shards import write_video_shard
 from tests.fixtures.configs import CHECKOUT
 from tests.fixtures.services import rabbitmq_vhost  # noqa: F401 - fixture
 
@@ -308,7 +308,7 @@ _SHARD_SCRIPT = """
 import json, sys
 import pyarrow as pa
 from shardprep.config import config_from_dict
-from shardprep.image_shards import write_image_shard
+from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
 
 cfg = config_from_dict(json.loads(sys.argv[1]))
@@ -373,9 +373,9 @@ import pyarrow as pa
 from celery import Celery
 
 import orchestration.celery_app  # noqa: F401 - installs shardprep's worker_shutting_down hook
-from orchestration.distributed import CELERY_SETTINGS
+from resources.executor import CELERY_SETTINGS
 from shardprep.config import config_from_dict
-from shardprep.image_shards import write_image_shard
+from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
 
 app = Celery("abort_test", broker=os.environ["ABORT_TEST_BROKER"])

@@ -16,10 +16,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from shardprep import encoders
 from shardprep.embeddings import ShardReadError, write_clip_embeddings
 from shardprep.keys import compute_key, index_of_key, oom_sample_per_shard, shard_key
 from shardprep.layout import Layout
+from shardprep.models import clip as clip_models
 from shardprep.reorder import ReorderError, reorder_array, reorder_embeddings
 from shardprep.tars import TarReadError
 
@@ -74,7 +74,7 @@ def make_shards(root: Path, shards=SHARDS, seed: int = 0) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_clip_dir):
-    return encoders.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="cpu")
+    return clip_models.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -303,18 +303,18 @@ def test_reorder_errors_and_empty_shard(tmp_path, embedded):
 # --- the encoder ----------------------------------------------------------------------------------
 
 def test_encoder_loads_once_per_spec(tiny_clip_dir):
-    encoders.clear_encoder_cache()
-    before = encoders.LOAD_COUNT
-    a = encoders.load_clip_encoder(f"hf_clip:{tiny_clip_dir}")
-    b = encoders.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="auto")
-    assert a is b and encoders.LOAD_COUNT == before + 1
+    clip_models.clear_encoder_cache()
+    before = clip_models.LOAD_COUNT
+    a = clip_models.load_clip_encoder(f"hf_clip:{tiny_clip_dir}")
+    b = clip_models.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="auto")
+    assert a is b and clip_models.LOAD_COUNT == before + 1
     assert a.device == "cpu"  # this machine has no GPU: "auto" falls back to CPU
     texts = a.encode_texts(["a red square", "a blue circle", "a red square"])
     assert texts.dtype == np.float16 and texts.shape == (3, 32)
     np.testing.assert_array_equal(texts[0], texts[2])
     assert np.abs(texts[0].astype(np.float32) - texts[1]).max() > 1e-3
     with pytest.raises(ValueError, match="device"):
-        encoders.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="tpu")
+        clip_models.load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="tpu")
 
 
 def test_tiny_clip_is_deterministic_and_idempotent(tmp_path, tiny_clip_dir):

@@ -25,10 +25,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from shardprep import resize
 from shardprep.config import ConfigError, config_from_dict
 from shardprep.embeddings import write_clip_embeddings
-from shardprep.image_shards import decode_slots, write_image_shard
+from shardprep.images import resize
+from shardprep.images.shards import decode_slots, write_image_shard
 from shardprep.layout import Layout
 from shardprep.storage import open_read
 from shardprep.tars import TarReadError, iter_members
@@ -254,7 +254,7 @@ def test_keep_freed_memory_runs():
 
 @pytest.fixture(scope="module")
 def encoder(tiny_clip_dir):
-    from shardprep.encoders import load_clip_encoder
+    from shardprep.models.clip import load_clip_encoder
 
     return load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="cpu")
 
@@ -263,7 +263,7 @@ def test_image_spec_is_read_off_the_preprocess(encoder):
     import torchvision.transforms as T
     from clip.clip import _transform
 
-    from shardprep.encoders import image_spec_of
+    from shardprep.models.clip import image_spec_of
 
     spec = encoder.image_spec
     assert encoder.fast_preprocess and (spec.resize, spec.crop, spec.round_offsets) == (32, (32, 32), False)
@@ -280,7 +280,7 @@ def test_fast_decode_gives_reference_pixels_on_small_images(size):
     import torchvision.transforms as T
     from transformers import CLIPImageProcessor
 
-    from shardprep.encoders import ImageSpec, decode_for_clip
+    from shardprep.models.clip import ImageSpec, decode_for_clip
 
     data = _jpeg(*size, seed=sum(size))
     im = Image.open(io.BytesIO(data)).convert("RGB")
@@ -312,7 +312,7 @@ def test_fast_embeddings_equal_exact_on_small_and_close_on_large(encoder):
 def test_large_jpegs_take_the_reduced_decode():
     from transformers import CLIPImageProcessor
 
-    from shardprep.encoders import ImageSpec, decode_for_clip
+    from shardprep.models.clip import ImageSpec, decode_for_clip
 
     data = _jpeg(1600, 1200, seed=4)
     proc = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
@@ -326,7 +326,7 @@ def test_large_jpegs_take_the_reduced_decode():
 
 
 def test_uint8_batch_path_matches_float_path(encoder):
-    from shardprep.encoders import decode_for_clip
+    from shardprep.models.clip import decode_for_clip
 
     # the GPU path: uint8 planes, normalised after the copy to the device (here: the CPU)
     datas = [_jpeg(80, 60, seed=i) for i in range(4)]

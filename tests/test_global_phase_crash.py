@@ -17,6 +17,7 @@ import dagster as dg
 import pytest
 from dagster._core.events import DagsterEventType
 
+from orchestration.instance import home_lock
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 from tests.fixtures.slow_runs import kill_instance
@@ -118,7 +119,8 @@ def test_a_run_killed_before_it_started_does_not_hold_up_the_next(dataset):
     deadline = time.monotonic() + 240
     while victim is None and time.monotonic() < deadline:  # a run launched, its process not tagged yet
         if (home / "dagster.yaml").exists():
-            with dg.DagsterInstance.from_config(str(home)) as instance:
+            with home_lock(home, "instance"), dg.DagsterInstance.from_config(str(home)) as instance:
+                # (the lock: not while the CLI creates the instance's schema)
                 starting = instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTING]))
                 victim = starting[0].run_id if starting else None
         time.sleep(0.05)

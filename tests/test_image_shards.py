@@ -28,9 +28,9 @@ from PIL import Image
 from shardprep import keys
 from shardprep.config import config_from_dict
 from shardprep.fetch import fetch, make_pool
-from shardprep.image_shards import write_image_shard
+from shardprep.images.resize import BOMB_ERROR, jpeg_is_truncated, resize_image
+from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
-from shardprep.resize import BOMB_ERROR, jpeg_is_truncated, resize_image
 from tests.fixtures import synthetic
 from tests.fixtures.http_server import serve_directory
 

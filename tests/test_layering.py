@@ -81,3 +81,54 @@ def test_the_shardprep_command_is_the_dagster_sides():
     assert "orchestration.cli" in script.read_text()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0 and "reshard" in out.stdout
+
+
+LAYERS = {"shardprep": 0, "resources": 1, "assets": 2, "sensors": 3, "definitions": 4, "orchestration": 5}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports, function-level imports included (a lazy import
+    hides a circle from the interpreter, not from a reader). ``from package import submodule`` depends on
+    the submodule only."""
+    mods = {".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in _modules(*PRODUCT)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for module, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] if node.level else [])
+                mod = ".".join(p for p in (base, node.module or "") if p) if node.level else node.module or ""
+                subs = [f"{mod}.{alias.name}" for alias in node.names]
+                targets = subs if all(s in mods for s in subs) else [mod, *subs]
+            else:
+                continue
+            graph[module] |= {r for r in map(resolve, targets) if r and r != module}
+    return graph
+
+
+def test_no_import_circle_and_no_upward_import():
+    graph = _module_graph()
+    upward = sorted((m, t) for m, ts in graph.items() for t in ts
+                    if LAYERS[t.split(".")[0]] > LAYERS[m.split(".")[0]])
+    assert upward == [], "a lower layer imports a higher one"
+    circles = []
+    for start in graph:  # a path back to itself
+        seen, todo = set(), list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node == start:
+                circles.append(start)
+                break
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+    assert circles == [], f"modules on an import circle: {circles}"

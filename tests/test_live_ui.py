@@ -26,7 +26,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from assets import NEMO_DIFFUSION, per_shard_assets
+from assets import per_shard_assets
+from shardprep.artifacts import artifact
 from shardprep.config import load_config
 from shardprep.ledger import register_sources
 from tests.fixtures import synthetic
@@ -37,7 +38,8 @@ SHARDS = [f"{i:05d}" for i in range(9)]
 BACKFILL_SHARDS = SHARDS[:6]  # upstream ready before the server starts
 UI_SHARDS = ["00006", "00007"]
 # the stack's config disables the NeMo outputs, so the diffusion assets are not in its graph
-PER_SHARD = [a.key.to_user_string() for a in per_shard_assets if a not in NEMO_DIFFUSION]
+PER_SHARD = [a.key.to_user_string() for a in per_shard_assets
+             if artifact(a.key.path[-1]).enabled_by != "enable_nemo_diffusion"]
 GPU_SHARDS_PER_RUN = 3
 ARTIFACTS = CHECKOUT / "test-artifacts" / "live_ui"
 CHROMIUM = "/usr/bin/chromium"

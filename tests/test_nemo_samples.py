@@ -18,12 +18,12 @@ import pytest
 import torch
 import webdataset as wds
 
-from shardprep import nemo_encoders
-from shardprep.diffusion import aesthetic_score, latent_problem, write_diffusion_samples
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
-from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder, ModelLoadError, T5TextEncoder
-from shardprep.precache import IMAGE_KEY, TEXT_KEY, PrecacheError, write_precached_encodings
+from shardprep.models import nemo as nemo_models
+from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder, ModelLoadError, T5TextEncoder
+from shardprep.nemo.diffusion import aesthetic_score, latent_problem, write_diffusion_samples
+from shardprep.nemo.precache import IMAGE_KEY, TEXT_KEY, PrecacheError, write_precached_encodings
 from tests.fixtures.synthetic import render_image
 from tests.fixtures.tiny_nemo import build_tiny_autoencoder, build_tiny_sd_autoencoder, build_tiny_t5
 
@@ -126,18 +126,18 @@ def test_tiny_models_load_offline_and_t5_tokenizer_round_trips(models):
 # --- encoders ------------------------------------------------------------------------------------
 
 def test_encoder_cache_loads_each_model_once(models):
-    nemo_encoders.clear_cache()
-    start = nemo_encoders.LOAD_COUNT
+    nemo_models.clear_cache()
+    start = nemo_models.LOAD_COUNT
     a = T5TextEncoder(models["t5"], device="cpu")
     b = T5TextEncoder(models["t5"], device="cpu", max_length=64)
-    assert nemo_encoders.LOAD_COUNT == start + 1 and a.model is b.model
+    assert nemo_models.LOAD_COUNT == start + 1 and a.model is b.model
     v1, v2 = ImageAutoencoder(models["vae"], device="cpu"), ImageAutoencoder(models["vae"], device="cpu")
-    assert nemo_encoders.LOAD_COUNT == start + 2 and v1.model is v2.model
+    assert nemo_models.LOAD_COUNT == start + 2 and v1.model is v2.model
     ImageAutoencoder(models["sd_vae"], device="cpu")  # another model is another load
-    assert nemo_encoders.LOAD_COUNT == start + 3
+    assert nemo_models.LOAD_COUNT == start + 3
     with pytest.raises(ModelLoadError, match="no-such-model"):
         ImageAutoencoder(str(Path(models["vae"]).parent / "no-such-model"), device="cpu")
-    assert nemo_encoders.LOAD_COUNT == start + 3
+    assert nemo_models.LOAD_COUNT == start + 3
 
 
 def test_t5_encoding_matches_nemo_encode_for_batch(encoders):
@@ -186,7 +186,7 @@ def test_diffusion_tars_hold_nemo_members(diffusion, encoders):
     # (re-encoded as the same batch of 4 the writer used, so CPU kernels give identical bits)
     keys = [compute_key(i, 0, OOM) for i in range(4)]
     with tarfile.open(layout.tar("00000")) as tf:
-        x = torch.stack([nemo_encoders.preprocess_image(tf.extractfile(f"{k}.jpg").read(), RES) for k in keys])
+        x = torch.stack([nemo_models.preprocess_image(tf.extractfile(f"{k}.jpg").read(), RES) for k in keys])
     assert x.shape == (4, 3, RES, RES) and -1.0 <= float(x.min()) and float(x.max()) <= 1.0
     expected = encoders["vae"].encode(x, output="mean").to(torch.bfloat16)
     for k, exp in zip(keys, expected):
@@ -366,7 +366,7 @@ def test_precache_matches_nemo_keys_shapes_and_counts(diffusion, encoders, tmp_p
     encs = [pickle.loads(members[f"{k}.pickle"]) for k in first]
     tokens = clip.tokenizer([truth[k]["caption"] for k in first], padding="max_length", max_length=77,
                             truncation=True, return_tensors="pt").input_ids
-    x = torch.stack([nemo_encoders.preprocess_image(originals[f"{k}.jpg"], RES) for k in first])
+    x = torch.stack([nemo_models.preprocess_image(originals[f"{k}.jpg"], RES) for k in first])
     with torch.no_grad():
         ref = clip.model(input_ids=tokens).last_hidden_state.numpy()
         dist = sd.model.encode(x).latent_dist

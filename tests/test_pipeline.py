@@ -12,10 +12,10 @@ import pytest
 import webdataset as wds
 
 from orchestration.runner import run_pipeline
-from shardprep.balanced import complete_tar_counts
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
+from shardprep.nemo.balanced import complete_tar_counts
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys

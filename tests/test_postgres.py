@@ -6,7 +6,6 @@ and freed across them through Postgres. A fresh database is created for the test
 dropped after. Skipped only where no PostgreSQL answers (DAGSTER_PG_* or 127.0.0.1:5432, user postgres).
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import time
 
 import dagster as dg
 
-from assets import NEMO_DIFFUSION, per_shard_assets
-from orchestration.instance import POSTGRES_ENV_DEFAULTS
+from assets import per_shard_assets
+from shardprep.artifacts import artifact
 from shardprep.config import load_config
 from shardprep.ledger import register_sources
 from tests.fixtures import synthetic
@@ -78,7 +77,8 @@ def test_three_shard_runs_at_once_on_postgres(tmp_path, pg_database, image_site,
         runs = instance.get_runs(filters=dg.RunsFilter(tags={"shardprep/test": "postgres"}))
         assert len(runs) == 3 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
         assert sorted(r.tags["dagster/partition"] for r in runs) == SHARDS
-        for asset in [a for a in per_shard_assets if a not in NEMO_DIFFUSION]:  # diffusion: disabled, not run
+        # diffusion: disabled, not run
+        for asset in [a for a in per_shard_assets if artifact(a.key.path[-1]).enabled_by != "enable_nemo_diffusion"]:
             assert instance.get_materialized_partitions(asset.key) == set(SHARDS), asset.key
             events = instance.fetch_materializations(asset.key, limit=10).records
             assert sorted(e.partition_key for e in events) == SHARDS, asset.key  # once per shard

@@ -27,7 +27,9 @@ from orchestration.status import asset_statuses
 from resources.clip import ClipResource
 from resources.dataset import DatasetResource
 from shardprep.config import load_config
-from shardprep.contact_sheet import (
+from shardprep.layout import Layout
+from shardprep.ledger import register_sources
+from shardprep.report.contact_sheet import (
     CELL_BACKGROUND,
     COLUMNS,
     LINE_HEIGHT,
@@ -39,8 +41,6 @@ from shardprep.contact_sheet import (
     grid_size,
     inline_image,
 )
-from shardprep.layout import Layout
-from shardprep.ledger import register_sources
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
 from tests.fixtures.live_dagster import free_port, start_live_dagster

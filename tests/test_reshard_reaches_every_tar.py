@@ -15,10 +15,10 @@ from definitions import build_defs
 from orchestration.reshard import reshard
 from orchestration.runner import run_pipeline
 from orchestration.verify import verify_dataset
-from shardprep.balanced import load_state
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
+from shardprep.nemo.balanced import load_state
 from shardprep.tars import read_samples_by_key, sample_keys
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config

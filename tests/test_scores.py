@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardprep.scores import ScoreModelError, load_head
+from shardprep.curation.scores import ScoreModelError, load_head
 from tests.fixtures.score_heads import NsfwB32 as _NsfwB32
 from tests.fixtures.score_heads import NsfwH14 as _NsfwH14
 from tests.fixtures.score_heads import NsfwL14 as _NsfwL14
@@ -89,7 +89,7 @@ def _config(tmp_path, **fields):
 
 def test_a_head_that_does_not_fit_the_clip_model_is_refused_at_config_load(tmp_path, tiny_clip_dir):
     from shardprep.config import ConfigError
-    from shardprep.encoders import embedding_width
+    from shardprep.models.clip import embedding_width
 
     torch.save(_aesthetic_v2(relu=False).state_dict(), tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
     torch.save(nn.Linear(512, 1).state_dict(), tmp_path / "sa_0_4_vit_b_32_linear.pth")
@@ -151,3 +151,26 @@ def test_heads_load_from_a_hub_id_in_the_local_cache_and_from_urls(tmp_path, mon
     head = load_head("memory://heads/sa_0_4_vit_b_32_linear.pth")
     assert head.kind == "aesthetic_v1" and head.path == "memory://heads/sa_0_4_vit_b_32_linear.pth"
     np.testing.assert_allclose(head(_embeddings(4, 512)), _reference(linear, _embeddings(4, 512)), rtol=1e-4, atol=1e-5)
+
+
+def test_a_config_with_pth_heads_loads_without_torch(tmp_path, tiny_clip_dir):
+    """Checking a head's kind and width reads the weights file with numpy alone: no CLI command that loads
+    the config pays for importing torch (seconds), and the weights are the ones torch reads."""
+    import subprocess
+    import sys
+
+    from shardprep.curation.scores import _read_state
+    from tests.fixtures.configs import CHECKOUT
+    from tests.fixtures.score_heads import build_tiny_score_heads
+
+    heads = build_tiny_score_heads(str(tmp_path / "heads"), dim=32)
+    for path in heads.values():
+        ours = _read_state(path)
+        theirs = {k: v.float().numpy() for k, v in torch.load(path, weights_only=True).items()}
+        assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    code = ("import sys\nfrom shardprep.config import config_from_dict\n"
+            f"cfg = config_from_dict({{'source': '/s/*.parquet', 'output_root': '/o', 'clip_model': "
+            f"'hf_clip:{tiny_clip_dir}', 'aesthetic_model': {heads['aesthetic']!r}, 'nsfw_model': {heads['nsfw']!r}}})\n"
+            "print(cfg.aesthetic_model, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "[]" and heads["aesthetic"] in out.stdout, out

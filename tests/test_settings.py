@@ -2,7 +2,8 @@
 
 import pytest
 
-from orchestration.distributed import CELERY_SETTINGS, QUEUES, worker_argv, worker_env
+from orchestration.distributed import QUEUES, worker_argv, worker_env
+from resources.executor import CELERY_SETTINGS
 from resources.settings import Settings, SettingsError, load_settings
 
 

@@ -15,7 +15,7 @@ from orchestration.runner import run_pipeline
 from orchestration.verify import verify_dataset
 from shardprep.config import load_config
 from shardprep.layout import Layout
-from shardprep.report import collect
+from shardprep.report.page import collect
 from shardprep.verify import verify_energon_index, verify_image_shard
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config

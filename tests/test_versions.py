@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from orchestration.runner import run_pipeline
+from shardprep.artifacts import ARTIFACTS
 from shardprep.config import config_from_dict
 from shardprep.layout import Layout
-from shardprep.versions import ARTIFACTS, artifact_versions, stamped_version
+from shardprep.versions import artifact_versions, stamped_version
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 
@@ -49,7 +50,7 @@ def test_versions_follow_the_fields_each_artifact_reads():
                   {"device": "cpu"}, {"nemo_batch_size": 2}, {"retries": 2}):
         assert changed(**speed) == set(), speed
     # every config field is either read by an artifact or known to change no output
-    read = {f for fields, _ in ARTIFACTS.values() for f in fields}
+    read = {f for record in ARTIFACTS.values() for f in record.fields}
     speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",

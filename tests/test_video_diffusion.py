@@ -12,10 +12,10 @@ import pytest
 import torch
 import webdataset as wds
 
-from shardprep.nemo_encoders import ModelLoadError, T5TextEncoder
+from shardprep.models.nemo import ModelLoadError, T5TextEncoder
+from shardprep.models.video_autoencoders import VideoAutoencoder, frames_to_use
+from shardprep.nemo.video_diffusion import crop_size, decode_clip, write_video_diffusion_samples
 from shardprep.tars import TarWriter
-from shardprep.video_diffusion import crop_size, decode_clip, write_video_diffusion_samples
-from shardprep.video_latents import VideoAutoencoder, frames_to_use
 from tests.fixtures import videos
 from tests.fixtures.tiny_nemo import build_tiny_video_autoencoder
 

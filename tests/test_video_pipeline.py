@@ -139,7 +139,7 @@ def test_images_and_videos_share_one_partition_set_and_one_energon_dataset(datas
     # the UI shows a frame strip per clip: the sheet inlined in the materialization, one row per clip
     from PIL import Image
 
-    from shardprep.contact_sheet import LINE_HEIGHT, PAD, STRIP_FRAMES
+    from shardprep.report.contact_sheet import LINE_HEIGHT, PAD, STRIP_FRAMES
 
     record = instance.fetch_materializations(dg.AssetKey("video_shards"), limit=100).records
     meta = next(r.asset_materialization.metadata for r in record if r.asset_materialization.partition == VIDEO_SHARD)

@@ -1,4 +1,4 @@
-"""Video shards (shardprep.video_shards) on a real HTTP server on 127.0.0.1, against the real
+"""Video shards (shardprep.video.shards) on a real HTTP server on 127.0.0.1, against the real
 video2dataset 1.3.0 and webdataset.
 
 The source: tests/fixtures/videos.py's generated videos (mp4/H.264, webm/VP9, avi/MPEG-4 portrait,
@@ -27,10 +27,10 @@ import pytest
 import webdataset as wds
 
 from shardprep.config import config_from_dict
-from shardprep.video_clips import VideoSpec, parse_spans, split_span, transcode
-from shardprep.video_decode import VideoError
-from shardprep.video_encode import plan_geometry
-from shardprep.video_shards import video_shard_files, write_video_shard
+from shardprep.video.clips import VideoSpec, parse_spans, split_span, transcode
+from shardprep.video.decode import VideoError
+from shardprep.video.encode import plan_geometry
+from shardprep.video.shards import video_shard_files, write_video_shard
 from tests.fixtures import video2dataset_oracle as oracle
 from tests.fixtures import videos
 from tests.fixtures.http_server import serve_directory
@@ -450,7 +450,7 @@ def test_clips_match_video2dataset_clipping_subsampler(site, tmp_path, v2d):
 
 def test_a_video_download_gets_time_for_its_size(tmp_path):
     from shardprep.fetch import default_deadline
-    from shardprep.video_shards import download_deadline
+    from shardprep.video.shards import download_deadline
 
     # images: 3 x timeout; a 200 MB video from a sound server needs more, a drip is still cut off in bounded time
     cfg = _cfg(tmp_path, timeout=10.0, retries=0, max_video_bytes=200_000_000)

@@ -170,7 +170,7 @@ def verify_keys(samples, required_keys, handler=wds.handlers.reraise_exception):
 def select_samples(samples, selection_url: str):
     """Only the samples the curation selection keeps (``<selection_url>/{shard}.parquet``, written by the
     ``sample_selection`` asset); a tar with no selection file yet gives none."""
-    from shardprep.selection import SelectionFiles
+    from shardprep.curation.selection import SelectionFiles
 
     selection = SelectionFiles(selection_url)
     for sample in samples:

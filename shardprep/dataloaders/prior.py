@@ -86,7 +86,7 @@ class PriorEmbeddingDataset(IterableDataset):
         if self.text_conditioned:
             from clip import tokenize  # clip-anytorch; imported here so decoder users skip it
 
-            from shardprep.selection import SelectionFiles
+            from shardprep.curation.selection import SelectionFiles
 
             kept = SelectionFiles(self.selection_url) if self.selection_url is not None else None
             for image_embedding, meta in self.image_reader(**args):

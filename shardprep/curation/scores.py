@@ -26,9 +26,12 @@ local path, any fsspec URL, or a hub id ``org/repo`` (its ``model.safetensors``,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,16 +127,83 @@ def _read_state(path: str) -> dict[str, np.ndarray]:
             from safetensors.numpy import load_file
 
             return dict(load_file(path))
-        import torch
-
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _torch_zip_state(path) if zipfile.is_zipfile(path) else _torch_load(path)
+    except ScoreModelError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable file is named with its cause
         raise ScoreModelError(f"score head {path}: cannot read it ({type(e).__name__}: {e})") from e
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise ScoreModelError(f"score head {path}: holds a {type(state).__name__}, not a state dict")
-    return {k: v.float().numpy() for k, v in state.items() if hasattr(v, "float")}
+    return {k: np.asarray(v, dtype=np.float32) for k, v in state.items() if isinstance(v, np.ndarray)}
+
+
+def _torch_load(path: str):
+    """A legacy (pre-1.6, not zip) torch file: torch itself reads it; tensors become numpy arrays."""
+    import torch
+
+    def arrays(obj):
+        if isinstance(obj, dict):
+            return {k: arrays(v) for k, v in obj.items()}
+        return obj.float().numpy() if isinstance(obj, torch.Tensor) else obj
+
+    return arrays(torch.load(path, map_location="cpu", weights_only=True))
+
+
+# torch's storage types in a checkpoint -> numpy dtypes (bfloat16: its 16 high bits of a float32)
+_STORAGE_DTYPES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+                   "BFloat16Storage": "bfloat16", "LongStorage": np.int64, "IntStorage": np.int32,
+                   "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
+
+
+def _torch_zip_state(path: str):
+    """A torch >= 1.6 checkpoint (a zip: ``data.pkl`` + one file per storage) read with numpy alone, as
+    ``torch.load(weights_only=True)`` reads it: only plain containers and tensors are unpickled. A config
+    load that checks a head's kind and width thus never imports torch (seconds of every CLI command)."""
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        pkl = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+        prefix = pkl[: -len("data.pkl")]
+        order = "<" if f"{prefix}byteorder" not in names or z.read(f"{prefix}byteorder") == b"little" else ">"
+
+        def storage(pid):
+            _, kind, key, _location, _numel = pid
+            dtype = _STORAGE_DTYPES[kind]
+            raw = z.read(f"{prefix}data/{key}")
+            if dtype == "bfloat16":
+                return (np.frombuffer(raw, f"{order}u2").astype(np.uint32) << 16).view(np.float32)
+            return np.frombuffer(raw, np.dtype(dtype).newbyteorder(order))
+
+        return _WeightsUnpickler(z.open(pkl), storage).load()
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    size, stride = tuple(size), tuple(stride)
+    if not size:
+        return storage[offset:offset + 1].reshape(()).copy()
+    return np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
+                                           strides=tuple(s * storage.itemsize for s in stride)).copy()
+
+
+class _WeightsUnpickler(pickle.Unpickler):
+    """The classes a weights-only torch pickle may name, and nothing else."""
+
+    def __init__(self, f, storage) -> None:
+        super().__init__(f)
+        self._storage = storage
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a weights file")
+
+    def persistent_load(self, pid):
+        return self._storage(pid)
 
 
 def _linear(state: dict[str, np.ndarray], prefix: str) -> tuple[np.ndarray, np.ndarray]:

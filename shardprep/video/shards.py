@@ -19,7 +19,7 @@ successful ``.mp4``); failed rows are not written into the tar (its #255); every
 directly (it sends a URL not ending in ``.mp4`` etc., even ``x.mp4?sig=...``, to yt-dlp); every video
 is decoded, so a broken file is a failure, not a sample; every sample is re-encoded, so a ``.webm``
 source is not stored under ``.mp4`` untranscoded; samples are in key order (not completion order).
-Decoding and encoding: PyAV (``shardprep.video_clips``).
+Decoding and encoding: PyAV (``shardprep.video.clips``).
 
 A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
 process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
@@ -42,13 +42,13 @@ import pyarrow as pa
 
 from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
-from shardprep.image_shards import ordered_map
+from shardprep.images.shards import ordered_map
 from shardprep.keys import compute_key, shard_key
 from shardprep.storage import join, remove, write_bytes, write_parquet
 from shardprep.tars import TarWriter
-from shardprep.video_clips import OOM_CLIP_COUNT, Transcoded, VideoSpec, parse_spans, transcode
-from shardprep.video_decode import VideoError
-from shardprep.video_encode import check_encoder
+from shardprep.video.clips import OOM_CLIP_COUNT, Transcoded, VideoSpec, parse_spans, transcode
+from shardprep.video.decode import VideoError
+from shardprep.video.encode import check_encoder
 
 STATUSES = ("success", "failed_to_download", "failed_to_subsample")
 MIN_VIDEO_BYTES_PER_SECOND = 2_000_000  # 200 MB (max_video_bytes' default) may take 100 s

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Iterator, Sequence
 
-from shardprep.video_decode import TIME_EPS, SourceInfo, TimedFrame, VideoError, decoded_frames, open_video
-from shardprep.video_encode import ClipEncoder, plan_geometry, shape_frame, upright_size
+from shardprep.video.decode import TIME_EPS, SourceInfo, TimedFrame, VideoError, decoded_frames, open_video
+from shardprep.video.encode import ClipEncoder, plan_geometry, shape_frame, upright_size
 
 OOM_CLIP_COUNT = 5  # digits of a clip's key suffix: video2dataset's, hard-coded there too
 _FALLBACK_RATE = Fraction(25)  # for a stream whose average rate FFmpeg cannot tell

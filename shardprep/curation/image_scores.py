@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardprep.curation.scores import ScoreHead
 from shardprep.layout import Layout
-from shardprep.scores import ScoreHead
 from shardprep.storage import atomic_write, exists, read_npy, read_parquet, remove, write_parquet
 
 SCORE_COLUMNS = {"aesthetic": "aesthetic_score", "nsfw": "nsfw_score"}  # head name -> column

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from shardprep.encoders import resolve_device
 from shardprep.errors import ShardprepError
+from shardprep.models.clip import resolve_device
 
 # Real model loads in this process (the cache makes repeated loads free); tests assert on it.
 LOAD_COUNT = 0
@@ -57,13 +57,13 @@ def _hf_dtype_kwarg(dtype) -> dict:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
-def _check_path(path: str, what: str) -> str:
+def check_path(path: str, what: str) -> str:
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"{what} model path must be a non-empty string, got {path!r}")
     return path
 
 
-def _cached_load(kind: str, path: str, device: str, load):
+def cached_load(kind: str, path: str, device: str, load):
     """``load()`` once per (kind, path, device) in this process; failures name the model and device."""
     global LOAD_COUNT
     key = (kind, path, device)
@@ -94,11 +94,11 @@ class T5TextEncoder:
             raise ValueError(f"T5TextEncoder: max_length must be a positive integer, got {max_length!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"T5TextEncoder: batch_size must be a positive integer, got {batch_size!r}")
-        self.path = _check_path(path, "T5")
+        self.path = check_path(path, "T5")
         self.device = resolve_device(device)
         self.max_length = max_length
         self.batch_size = batch_size
-        self.tokenizer, self.model = _cached_load("t5", self.path, self.device, self._load)
+        self.tokenizer, self.model = cached_load("t5", self.path, self.device, self._load)
         self.dim = int(self.model.config.d_model)
 
     def _load(self):
@@ -136,11 +136,11 @@ class ClipTextEncoder:
     def __init__(self, path: str, device: str = "auto", max_length: int = 77, batch_size: int = 64):
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"ClipTextEncoder: max_length must be a positive integer, got {max_length!r}")
-        self.path = _check_path(path, "CLIP text")
+        self.path = check_path(path, "CLIP text")
         self.device = resolve_device(device)
         self.max_length = max_length
         self.batch_size = batch_size
-        self.tokenizer, self.model = _cached_load("clip_text", self.path, self.device, self._load)
+        self.tokenizer, self.model = cached_load("clip_text", self.path, self.device, self._load)
         self.dim = int(self.model.config.hidden_size)
         self.padded_length = (max_length + 7) // 8 * 8
 
@@ -174,11 +174,11 @@ class ImageAutoencoder:
     """Images in [-1, 1] -> latents, from a diffusers ``AutoencoderKL`` folder or ``cosmos:<dir>``."""
 
     def __init__(self, path: str, device: str = "auto"):
-        self.path = _check_path(path, "image autoencoder")
+        self.path = check_path(path, "image autoencoder")
         self.device = resolve_device(device)
         self.dtype = compute_dtype(self.device)
         self.is_cosmos = self.path.startswith(COSMOS_PREFIX)
-        self.model = _cached_load("autoencoder", self.path, self.device, self._load)
+        self.model = cached_load("autoencoder", self.path, self.device, self._load)
         if self.is_cosmos:
             self.latent_channels = None  # known after the first encode
         else:

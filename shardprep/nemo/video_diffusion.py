@@ -1,10 +1,10 @@
 """NeMo diffusion (DiT) samples of one video shard, beside the image shards' in one energon dataset.
 
 A video2dataset-layout tar (``video_shards``: ``{key}.mp4``/``.webm``, ``.json``, ``.txt`` per clip) ->
-a diffusion tar with, per clip (members with NeMo's double dot, as ``shardprep.diffusion`` writes them):
+a diffusion tar with, per clip (members with NeMo's double dot, as ``shardprep.nemo.diffusion`` writes them):
 
 * ``{key}..pth``: ``torch.save`` of the bfloat16 latent ``[C, T', h, w]`` of a causal video autoencoder
-  (``shardprep.video_latents``), T' = 1 + (T - 1) / tc for the T frames fed to it;
+  (``shardprep.models.video_autoencoders``), T' = 1 + (T - 1) / tc for the T frames fed to it;
 * ``{key}..pickle``: the numpy float16 T5 states ``[L, d]``, unpadded, as for images;
 * ``{key}..json``: what ``BasicDiffusionTaskEncoder``'s video branch reads (``height``, ``width``,
   ``framerate``, ``num_frames`` of the frames fed; ``aesthetic_score``, which it reads for every
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardprep.diffusion import _pth_bytes, aesthetic_score, latent_problem
-from shardprep.image_shards import ordered_map
+from shardprep.images.shards import ordered_map
+from shardprep.models.video_autoencoders import frames_to_use
+from shardprep.nemo.diffusion import aesthetic_score, latent_problem, pth_bytes
 from shardprep.storage import exists, remove
 from shardprep.tars import TarWriter, iter_samples
-from shardprep.video_latents import frames_to_use
 
 if TYPE_CHECKING:
-    from shardprep.nemo_encoders import T5TextEncoder
-    from shardprep.video_latents import VideoAutoencoder
+    from shardprep.models.nemo import T5TextEncoder
+    from shardprep.models.video_autoencoders import VideoAutoencoder
 
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi")
 _DECODE_THREADS = 2
@@ -162,7 +162,7 @@ def write_video_diffusion_samples(in_url: str, out_url: str, t5: "T5TextEncoder"
                 continue
             lat = it["latent"]
             out.add(it["key"], {".json": json.dumps(_json(it, int(lat.shape[1]))), ".pickle": pickle.dumps(txt),
-                                ".pth": _pth_bytes(lat)})
+                                ".pth": pth_bytes(lat)})
             report.samples += 1
             report.frames += it["fed"][0]
             shapes.add(tuple(lat.shape))

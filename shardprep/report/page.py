@@ -12,9 +12,7 @@ each plot is drawn from.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import time
 from collections import Counter
@@ -23,17 +21,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
-from shardprep.curation_report import CurationData, collect_curation, curation_section
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger, shard_media
+from shardprep.report.curation import CurationData, collect_curation, curation_section
+from shardprep.report.html import empty, figure, fmt, hist, png, row, spaced
 from shardprep.storage import atomic_write, read_npy, url_to_fs
 from shardprep.verify import verify_shard
 from shardprep.versions import stamped_version
-from shardprep.video_summary import clip_jsons
+from shardprep.video.summary import clip_jsons
 
 ROWS_PER_SHARD = 2000
-REPORTED_ARTIFACTS = ("image_shards", "video_shards", "clip_embeddings", "reordered_embeddings")
 PARQUET_COLUMNS = ("status", "original_width", "original_height", "caption")
 
 
@@ -131,11 +130,6 @@ class ReportData:
         }
 
 
-def _spaced(n: int, k: int) -> np.ndarray:
-    """At most ``k`` evenly spaced row indices of ``n`` (all of them when ``n <= k``)."""
-    return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).astype(np.int64))
-
-
 def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int = ROWS_PER_SHARD,
             cfg: DatasetConfig | None = None) -> ReportData:
     """Read what every shard has written so far. ``shards`` defaults to the ledger's; a shard whose
@@ -181,7 +175,7 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
                     pf = pq.ParquetFile(f)
                     cols = [c for c in PARQUET_COLUMNS if c in pf.schema_arrow.names]
                     table = pf.read(columns=cols)
-                rows = table.take(_spaced(table.num_rows, rows_per_shard))
+                rows = table.take(spaced(table.num_rows, rows_per_shard))
                 rows_read += rows.num_rows
                 ok = np.asarray(rows.column("status").to_pylist()) == "success"
                 if "original_width" in cols:
@@ -197,7 +191,7 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
             try:
                 emb = read_npy(layout.img_emb(key), mmap=True)  # locally only the sampled rows are read
                 fig.embeddings, dim = int(emb.shape[0]), int(emb.shape[1])
-                sample = np.asarray(emb[_spaced(emb.shape[0], rows_per_shard)], dtype=np.float32)
+                sample = np.asarray(emb[spaced(emb.shape[0], rows_per_shard)], dtype=np.float32)
                 norms.append(np.linalg.norm(sample, axis=1))
             except (OSError, ValueError, IndexError) as e:
                 problems.append(f"shard {key}: {layout.img_emb(key)}: {type(e).__name__}: {e}")
@@ -252,7 +246,7 @@ def _video_figures(layout: Layout, key: str, reasons: Counter, durations: list[f
 
 def _broken_outputs(layout: Layout, cfg: DatasetConfig, shard: str, media: str = "image") -> list[str]:
     out = []
-    for artifact in REPORTED_ARTIFACTS:
+    for artifact in (a.name for a in ARTIFACTS.values() if a.reported):
         if stamped_version(layout, artifact, shard) is not None:  # finished: its outputs must be whole
             found = verify_shard(layout, cfg, artifact, shard, read_tars=False, media=media)
             out += [f"shard {shard}: {artifact}: {p}" for p in found.problems]
@@ -261,27 +255,8 @@ def _broken_outputs(layout: Layout, cfg: DatasetConfig, shard: str, media: str =
 
 # -- plots: matplotlib's object API (no pyplot: no global state, safe in any thread) --------------------------
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _figure(width: float = 7.0, height: float = 3.2):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    return fig, fig.add_subplot()
-
-
-def _empty(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def plot_success_rate(data: ReportData) -> str:
-    fig, ax = _figure()
+    fig, ax = figure()
     done = [s for s in data.shards if s.processed]
     if done:
         x = np.arange(len(done))
@@ -296,41 +271,28 @@ def plot_success_rate(data: ReportData) -> str:
         ax.set_ylabel("success rate (%)")
         ax.set_xlabel("shard")
     else:
-        _empty(ax, "processed shards")
+        empty(ax, "processed shards")
     ax.set_title("Success rate per shard")
-    return _png(fig)
+    return png(fig)
 
 
 def plot_failures(data: ReportData, top: int = 15) -> str:
     items = data.failures_by_reason.most_common(top)
-    fig, ax = _figure(height=max(2.0, 0.35 * len(items) + 1))
+    fig, ax = figure(height=max(2.0, 0.35 * len(items) + 1))
     if items:
         labels = [r if len(r) <= 60 else r[:57] + "..." for r, _ in items][::-1]
         ax.barh(np.arange(len(items)), [n for _, n in items][::-1], color="#c44e52")
         ax.set_yticks(np.arange(len(items)), labels, fontsize=7)
         ax.set_xlabel("samples")
     else:
-        _empty(ax, "failures")
+        empty(ax, "failures")
     more = len(data.failures_by_reason) - len(items)
     ax.set_title("Failures by reason" + (f" (top {top}; {more} more reasons)" if more > 0 else ""))
-    return _png(fig)
-
-
-def _hist(values: np.ndarray, title: str, xlabel: str, what: str, bins: int = 40) -> str:
-    fig, ax = _figure()
-    if values.size:
-        ax.hist(values, bins=bins, color="#55a868")
-        ax.ticklabel_format(axis="x", useOffset=False)  # norms sit near 1: show 0.9999, not "+1"
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("samples")
-    else:
-        _empty(ax, what)
-    ax.set_title(f"{title} ({values.size} samples)")
-    return _png(fig)
+    return png(fig)
 
 
 def plot_image_sizes(data: ReportData) -> str:
-    fig, ax = _figure()
+    fig, ax = figure()
     w, h = data.original_widths, data.original_heights
     if w.size:
         hi = max(float(w.max()), float(h.max()), 1.0)
@@ -341,9 +303,9 @@ def plot_image_sizes(data: ReportData) -> str:
         ax.set_xlabel("pixels (original, before resize)")
         ax.set_ylabel("images")
     else:
-        _empty(ax, "downloaded images")
+        empty(ax, "downloaded images")
     ax.set_title(f"Original image size ({w.size} images)")
-    return _png(fig)
+    return png(fig)
 
 
 # -- the page ---------------------------------------------------------------------------------------------
@@ -358,19 +320,6 @@ figure.thumb{margin:0.2em}figure.thumb figcaption{font-size:0.7em}
 """
 
 
-def _row(cells: list, header: bool = False) -> str:
-    tag = "th" if header else "td"
-    return "<tr>" + "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in cells) + "</tr>"
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:,.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return "-" if v is None else str(v)
-
-
 def render_html(data: ReportData, generated_at: float | None = None) -> str:
     totals = data.totals
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(generated_at or time.time()))
@@ -379,17 +328,17 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
         ("failures", "Failures by reason", plot_failures(data)),
         ("image_sizes", "Original image width and height", plot_image_sizes(data)),
         ("caption_lengths", "Caption length",
-         _hist(data.caption_lengths, "Caption length", "characters", "captions")),
+         hist(data.caption_lengths, "Caption length", "characters", "captions")),
         ("embedding_norms", "CLIP image embedding L2 norm",
-         _hist(data.embedding_norms, "Image embedding norm", "L2 norm", "embeddings")),
+         hist(data.embedding_norms, "Image embedding norm", "L2 norm", "embeddings")),
     ]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>shardprep dataset report: {html.escape(data.root)}</title>", f"<style>{_CSS}</style></head><body>",
         "<h1>Dataset report</h1>",
         f"<p>Output root <code>{html.escape(data.root)}</code>, generated {html.escape(stamp)}.</p>",
-        "<h2>Summary</h2>", '<table id="summary">', _row(["", "value"], header=True),
-        *[_row([k.replace("_", " "), f"{v:.2%}" if k == "success_rate" else _fmt(v)]) for k, v in totals.items()],
+        "<h2>Summary</h2>", '<table id="summary">', row(["", "value"], header=True),
+        *[row([k.replace("_", " "), f"{v:.2%}" if k == "success_rate" else fmt(v)]) for k, v in totals.items()],
         "</table>",
         f"<p>Distributions are drawn from {data.parquet_rows_read:,} parquet rows "
         f"(at most {data.rows_per_shard:,} evenly spaced rows per shard); counts are exact.</p>",
@@ -398,23 +347,23 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
         parts += ['<h2 class="problems">Broken or unreadable files</h2><ul class="problems">',
                   *[f"<li>{html.escape(p)}</li>" for p in data.problems], "</ul>"]
     parts.append("<h2>Plots</h2>")
-    for pid, caption, png in plots:
-        parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{html.escape(caption)}">'
+    for pid, caption, image in plots:
+        parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{image}" alt="{html.escape(caption)}">'
                      f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-    parts += ["<h2>Failures by reason</h2>", '<table id="failures">', _row(["reason", "samples"], header=True),
-              *[_row([r, _fmt(n)]) for r, n in data.failures_by_reason.most_common()], "</table>"]
+    parts += ["<h2>Failures by reason</h2>", '<table id="failures">', row(["reason", "samples"], header=True),
+              *[row([r, fmt(n)]) for r, n in data.failures_by_reason.most_common()], "</table>"]
     parts += ["<h2>Shards</h2>", '<table id="shards">',
-              _row(["shard", "samples", "successes", "success rate", "failed to download", "failed to resize",
+              row(["shard", "samples", "successes", "success rate", "failed to download", "failed to resize",
                     "embeddings", "tar bytes"], header=True)]
     for s in data.shards:
         if s.processed:
-            parts.append(_row([s.shard, _fmt(s.count), _fmt(s.successes), f"{s.success_rate:.2%}",
-                               _fmt(s.failed_to_download), _fmt(s.failed_to_resize), _fmt(s.embeddings),
-                               _fmt(s.tar_bytes)]))
+            parts.append(row([s.shard, fmt(s.count), fmt(s.successes), f"{s.success_rate:.2%}",
+                               fmt(s.failed_to_download), fmt(s.failed_to_resize), fmt(s.embeddings),
+                               fmt(s.tar_bytes)]))
         else:
-            parts.append(_row([s.shard, "not processed", "", "", "", "", _fmt(s.embeddings), ""]))
+            parts.append(row([s.shard, "not processed", "", "", "", "", fmt(s.embeddings), ""]))
     parts.append("</table>")
-    parts += curation_section(data.curation, _hist, _row, _fmt)
+    parts += curation_section(data.curation)
     if data.videos:
         parts += _video_section(data)
     parts.append("</body></html>")
@@ -422,21 +371,21 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
 
 
 def _video_section(data: ReportData) -> list[str]:
-    png = _hist(data.clip_durations, "Clip duration", "seconds", "clips", bins=30)
-    parts = ["<h2>Videos</h2>", '<table id="video_summary">', _row(["", "value"], header=True),
-             *[_row([k.replace("_", " "), _fmt(v)]) for k, v in data.video_totals.items()], "</table>",
+    png = hist(data.clip_durations, "Clip duration", "seconds", "clips", bins=30)
+    parts = ["<h2>Videos</h2>", '<table id="video_summary">', row(["", "value"], header=True),
+             *[row([k.replace("_", " "), fmt(v)]) for k, v in data.video_totals.items()], "</table>",
              f'<figure id="clip_durations"><img src="data:image/png;base64,{png}" alt="Clip duration">'
              "<figcaption>Clip duration (every clip)</figcaption></figure>",
              '<table id="video_shards">',
-             _row(["shard", "videos", "successes", "failed to download", "failed to subsample", "clips",
+             row(["shard", "videos", "successes", "failed to download", "failed to subsample", "clips",
                    "clip seconds", "frames", "tar bytes"], header=True)]
     for v in data.videos:
         if v.processed:
-            parts.append(_row([v.shard, _fmt(v.count), _fmt(v.successes), _fmt(v.failed_to_download),
-                               _fmt(v.failed_to_subsample), _fmt(v.clips), _fmt(round(v.clip_seconds, 3)),
-                               _fmt(v.frames), _fmt(v.tar_bytes)]))
+            parts.append(row([v.shard, fmt(v.count), fmt(v.successes), fmt(v.failed_to_download),
+                               fmt(v.failed_to_subsample), fmt(v.clips), fmt(round(v.clip_seconds, 3)),
+                               fmt(v.frames), fmt(v.tar_bytes)]))
         else:
-            parts.append(_row([v.shard, "not processed", "", "", "", "", "", "", ""]))
+            parts.append(row([v.shard, "not processed", "", "", "", "", "", "", ""]))
     return [*parts, "</table>"]
 
 

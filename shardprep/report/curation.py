@@ -19,6 +19,7 @@ import numpy as np
 
 from shardprep import storage
 from shardprep.layout import Layout
+from shardprep.report.html import fmt, hist, row, spaced
 
 THUMBS = 8  # images per row of the top / bottom sheets
 DUPLICATE_PAIRS = 8
@@ -42,7 +43,6 @@ class CurationData:
 
 def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> CurationData:
     """What image_scores, duplicates and sample_selection wrote for ``shards`` (image shards)."""
-    from shardprep.report import _spaced  # the report's own row sampling (it imports this module)
 
     data = CurationData()
     keys, aesthetic, nsfw = [], [], []
@@ -51,7 +51,7 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         if not storage.exists(url):
             continue
         t = storage.read_parquet(url)
-        t = t.take(_spaced(t.num_rows, rows_per_shard))
+        t = t.take(spaced(t.num_rows, rows_per_shard))
         if "aesthetic_score" in t.column_names:
             keys += t.column("key").to_pylist()
             aesthetic.append(t.column("aesthetic_score").to_numpy(zero_copy_only=False))
@@ -79,7 +79,7 @@ def _thumbnails(layout: Layout, keys: set[str], shards: list[str], size: int = 9
     """Base64 JPEG thumbnails of ``keys``, read from their shards' tars (a key starts with its shard id)."""
     from PIL import Image
 
-    from shardprep.contact_sheet import image_of
+    from shardprep.report.contact_sheet import image_of
     from shardprep.tars import read_samples_by_key
 
     by_shard: dict[str, set[str]] = {}
@@ -110,8 +110,8 @@ def _thumb(data: CurationData, key: str, caption: str) -> str:
     return f'<figure class="thumb">{img}<figcaption>{html.escape(caption)}</figcaption></figure>'
 
 
-def curation_section(data: CurationData, hist, row, fmt) -> list[str]:
-    """HTML of the section; ``hist``, ``row``, ``fmt``: the report's histogram, table-row and number helpers."""
+def curation_section(data: CurationData) -> list[str]:
+    """HTML of the section."""
     if data.empty:
         return []
     parts = ["<h2>Curation</h2>"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pickle
 
 from shardprep import storage
-from shardprep.balanced import complete_tar_counts
 from shardprep.errors import ShardprepError
+from shardprep.nemo.balanced import complete_tar_counts
 from shardprep.tars import INCOMPLETE_SUFFIX, header_samples, list_tars
 
 

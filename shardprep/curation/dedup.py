@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardprep import storage
+from shardprep.curation.scores import unit_rows
 from shardprep.layout import Layout
-from shardprep.scores import unit_rows
-from shardprep.verify import parquet_rows
 
 FORMAT = 1
 IVF_AT = 50_000  # kept samples before the exact index becomes an IVF one
@@ -283,7 +282,7 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
                  or any(shards.get(s) != ident for s, ident in done.items()))
         if not fresh and all(s in done for s in shards):  # nothing new: nothing is read
             report.kept_total, report.index = state["kept"], state["index"]
-            report.duplicates_total = parquet_rows(layout.dedup_table) if storage.exists(layout.dedup_table) else 0
+            report.duplicates_total = storage.parquet_rows(layout.dedup_table) if storage.exists(layout.dedup_table) else 0
             report.seconds = time.perf_counter() - start
             return report
         try:

@@ -23,8 +23,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from shardprep.encoders import resolve_device
-from shardprep.nemo_encoders import COSMOS_PREFIX, _cached_load, _check_path, compute_dtype
+from shardprep.models.clip import resolve_device
+from shardprep.models.nemo import COSMOS_PREFIX, cached_load, check_path, compute_dtype
 
 DIFFUSERS_CLASSES = ("AutoencoderKLCosmos", "AutoencoderKLWan")
 _PROBE_FRAMES, _PROBE_SIDE = 17, 64  # the blank clip a TorchScript tokenizer's factors are measured on
@@ -66,11 +66,11 @@ class VideoAutoencoder:
     """Clips in [-1, 1] -> causal video latents (see the module docstring)."""
 
     def __init__(self, path: str, device: str = "auto"):
-        self.path = _check_path(path, "video autoencoder")
+        self.path = check_path(path, "video autoencoder")
         self.device = resolve_device(device)
         self.dtype = compute_dtype(self.device)
         self.is_cosmos = self.path.startswith(COSMOS_PREFIX)
-        self.model, self.compression = _cached_load("video_autoencoder", self.path, self.device, self._load)
+        self.model, self.compression = cached_load("video_autoencoder", self.path, self.device, self._load)
 
     def __repr__(self) -> str:
         return f"VideoAutoencoder({self.path!r}, device={self.device!r})"

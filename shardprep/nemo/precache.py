@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import numpy as np
 
 from shardprep import storage
-from shardprep.balanced import tar_digests
 from shardprep.embeddings import IMAGE_EXTS
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
-from shardprep.nemo_encoders import preprocess_image
+from shardprep.models.nemo import preprocess_image
+from shardprep.nemo.balanced import tar_digests
 from shardprep.storage import exists
 from shardprep.tars import TarWriter, iter_samples
 
 if TYPE_CHECKING:
-    from shardprep.nemo_encoders import ClipTextEncoder, ImageAutoencoder
+    from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder
 
 IMAGE_KEY = "autoencoderkl_image"
 TEXT_KEY = "clip-vit-large-patch14_text"

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardprep.embeddings import IMAGE_EXTS
-from shardprep.image_shards import ordered_map
+from shardprep.images.shards import ordered_map
 from shardprep.layout import Layout
-from shardprep.nemo_encoders import preprocess_image
+from shardprep.models.nemo import preprocess_image
 from shardprep.storage import exists, remove
 from shardprep.tars import TarWriter, iter_samples
 
 if TYPE_CHECKING:
-    from shardprep.nemo_encoders import ImageAutoencoder, T5TextEncoder
+    from shardprep.models.nemo import ImageAutoencoder, T5TextEncoder
 
 LATENT_ABS_LIMIT = 1e3  # BasicDiffusionTaskEncoder.encode_sample skips latents above it
 AESTHETIC_FIELDS = ("aesthetic_score", "AESTHETIC_SCORE", "aesthetic")
@@ -104,7 +104,7 @@ def _prepare(sample: dict, resolution: int, url: str) -> dict:
     return {"key": key, "tensor": tensor, "caption": caption, "meta": meta}
 
 
-def _pth_bytes(latent) -> bytes:
+def pth_bytes(latent) -> bytes:
     import torch
 
     buf = io.BytesIO()
@@ -154,7 +154,7 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
             out.add(it["key"], {
                 ".json": json.dumps(meta),
                 ".pickle": pickle.dumps(txt),
-                ".pth": _pth_bytes(lat),
+                ".pth": pth_bytes(lat),
             })
             report.samples += 1
             report.latent_shape = list(lat.shape)

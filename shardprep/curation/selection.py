@@ -56,7 +56,7 @@ def selection_inputs(layout: Layout, versions: dict[str, str], rules: dict) -> d
     """``{shard: identity of what its selection reads}`` for the image shards whose download is complete
     (None: a score or keep mask a rule needs is not there yet), in ledger order. The identity changes when
     the shard's samples, its scores or its keep mask are written again."""
-    from shardprep.dedup import mask_identities
+    from shardprep.curation.dedup import mask_identities
     from shardprep.ledger import load_ledger
     from shardprep.versions import read_stamp
 

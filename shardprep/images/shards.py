@@ -37,9 +37,9 @@ import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
 from shardprep.fetch import DownloadsAborted, abandoned_shard, fetch, make_pool
+from shardprep.images.resize import resize_image
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
-from shardprep.resize import resize_image
 from shardprep.storage import atomic_write, remove
 from shardprep.tars import TarWriter
 
