@@ -30,7 +30,7 @@ chromium:
 # without its (heavy) model dependencies: the tests load its loader modules by file path.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dagster,test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps dalle2-pytorch==1.15.6
 	touch $(STAMP)
 
@@ -55,7 +55,7 @@ s3: $(STAMP)
 
 ui: setup
 	@test -f demo/work/shardprep.yaml || { echo "run 'make demo' first"; exit 1; }
-	$(PY) -m orchestration.instance >/dev/null
+	$(PY) -m shardprep_dagster.orchestration.instance >/dev/null
 	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(PY) -m demo.run_demo --serve-only & \
 	SHARDPREP_CONFIG=$(CURDIR)/demo/work/shardprep.yaml $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $${PORT:-3000}
 

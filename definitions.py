@@ -2,14 +2,14 @@
 
 import dagster as dg
 
-from assets import batched, global_assets, per_shard_assets
-from resources import ClipResource, DatasetResource, NemoEncoders
-from resources.dataset import load_dataset
-from resources.executor import executor_for
-from resources.settings import Settings, load_settings
-from sensors import new_source_files_sensor
 from shardprep.artifacts import enabled
 from shardprep.storage import exists
+from shardprep_dagster.assets import batched, global_assets, per_shard_assets
+from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncoders
+from shardprep_dagster.resources.dataset import load_dataset
+from shardprep_dagster.resources.executor import executor_for
+from shardprep_dagster.resources.settings import Settings, load_settings
+from shardprep_dagster.sensors import new_source_files_sensor
 
 
 def _batched(assets: list[dg.AssetsDefinition], settings: Settings) -> list[dg.AssetsDefinition]:

@@ -6,20 +6,20 @@ warnings.filterwarnings("ignore", message=".*varying BackfillPolicies")
 warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec")
 warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of function `asset` is currently in beta")
 
-from assets.diffusion import diffusion_samples
-from assets.duplicates import duplicates
-from assets.embeddings import clip_embeddings, reordered_embeddings
-from assets.energon import diffusion_energon_index, image_energon_index
-from assets.images import image_shards
-from assets.nemo import balanced_shards, precached_encodings, wdinfo
-from assets.partitions import shard_partitions
-from assets.report import dataset_report
-from assets.scores import image_scores
-from assets.selection import sample_selection
-from assets.source import source_parquet
-from assets.video_diffusion import video_diffusion_samples
-from assets.videos import video_shards
 from shardprep.artifacts import ARTIFACTS, GLOBALS, PER_SHARD
+from shardprep_dagster.assets.diffusion import diffusion_samples
+from shardprep_dagster.assets.duplicates import duplicates
+from shardprep_dagster.assets.embeddings import clip_embeddings, reordered_embeddings
+from shardprep_dagster.assets.energon import diffusion_energon_index, image_energon_index
+from shardprep_dagster.assets.images import image_shards
+from shardprep_dagster.assets.nemo import balanced_shards, precached_encodings, wdinfo
+from shardprep_dagster.assets.partitions import shard_partitions
+from shardprep_dagster.assets.report import dataset_report
+from shardprep_dagster.assets.scores import image_scores
+from shardprep_dagster.assets.selection import sample_selection
+from shardprep_dagster.assets.source import source_parquet
+from shardprep_dagster.assets.video_diffusion import video_diffusion_samples
+from shardprep_dagster.assets.videos import video_shards
 
 _BY_NAME = {a.key.path[-1]: a for a in (source_parquet, image_shards, video_shards, clip_embeddings,
                                         reordered_embeddings, image_scores, diffusion_samples, video_diffusion_samples,

@@ -2,12 +2,18 @@
 
 import dagster as dg
 
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards
-from resources.dataset import DatasetResource
-from resources.nemo import NemoEncoders
 from shardprep.curation.image_scores import read_scores
 from shardprep.nemo.diffusion import write_diffusion_samples
 from shardprep.storage import exists
+from shardprep_dagster.assets.shard_runs import (
+    SHARD_AUTOMATION,
+    ShardRunConfig,
+    from_record,
+    gpu_device,
+    materialize_shards,
+)
+from shardprep_dagster.resources.dataset import DatasetResource
+from shardprep_dagster.resources.nemo import NemoEncoders
 
 
 @dg.asset(

@@ -2,12 +2,12 @@
 
 import dagster as dg
 
-from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
-from resources.dataset import DatasetResource
 from shardprep.curation.dedup import embedded_shards, update_duplicates
 from shardprep.curation.selection import shards_with_samples
 from shardprep.storage import exists, lock, remove_tree
 from shardprep.versions import write_stamp
+from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 @dg.asset(

@@ -4,15 +4,22 @@ import os
 
 import dagster as dg
 
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards, shard_check
-from resources.clip import ClipResource
-from resources.dataset import DatasetResource
 from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep.embeddings import write_clip_embeddings
 from shardprep.ledger import load_ledger
 from shardprep.models import clip as clip_models
 from shardprep.reorder import reorder_embeddings
 from shardprep.storage import exists
+from shardprep_dagster.assets.shard_runs import (
+    SHARD_AUTOMATION,
+    ShardRunConfig,
+    from_record,
+    gpu_device,
+    materialize_shards,
+    shard_check,
+)
+from shardprep_dagster.resources.clip import ClipResource
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 @dg.asset(

@@ -2,11 +2,11 @@
 
 import dagster as dg
 
-from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
-from resources.dataset import DatasetResource
 from shardprep.curation.selection import energon_excludes
 from shardprep.energon import find_tars, update_energon_index
 from shardprep.storage import exists
+from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 def _index_metadata(report) -> dict:

@@ -5,7 +5,12 @@ from typing import Callable
 
 import dagster as dg
 
-from assets.shard_runs import (
+from shardprep.checks import check_image_shard
+from shardprep.images.shards import write_image_shard
+from shardprep.layout import Layout
+from shardprep.report.contact_sheet import contact_sheet, inline_image
+from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
+from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     failures_table,
@@ -13,12 +18,7 @@ from assets.shard_runs import (
     materialize_shards,
     shard_check,
 )
-from resources.dataset import DatasetResource
-from shardprep.checks import check_image_shard
-from shardprep.images.shards import write_image_shard
-from shardprep.layout import Layout
-from shardprep.report.contact_sheet import contact_sheet, inline_image
-from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 def _stats_metadata(stats: dict, tar_url: str, tar_bytes: int) -> dict:

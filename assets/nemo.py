@@ -7,15 +7,15 @@ import pickle
 
 import dagster as dg
 
-from assets.shard_runs import GLOBAL_AUTOMATION, from_record, gpu_device, versioned
-from resources.dataset import DatasetResource
-from resources.nemo import NemoEncoders
 from shardprep.curation.selection import active_rules, selected_keys
 from shardprep.nemo.balanced import complete_tar_counts, source_identities, update_balanced_shards
 from shardprep.nemo.precache import plan_precache, record_sources, write_precached_encodings
 from shardprep.nemo.wdinfo import write_wdinfo
 from shardprep.storage import exists, lock, read_bytes, remove, remove_tree
 from shardprep.versions import stamped_version, write_stamp
+from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, gpu_device, versioned
+from shardprep_dagster.resources.dataset import DatasetResource
+from shardprep_dagster.resources.nemo import NemoEncoders
 
 
 class BalancedConfig(dg.Config):

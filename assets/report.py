@@ -2,9 +2,9 @@
 
 import dagster as dg
 
-from assets.shard_runs import failures_table, from_record, versioned
-from resources.dataset import DatasetResource
 from shardprep.report.page import write_report
+from shardprep_dagster.assets.shard_runs import failures_table, from_record, versioned
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 def _summary_markdown(totals: dict, html_path: str) -> str:

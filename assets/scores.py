@@ -4,13 +4,19 @@ import contextlib
 
 import dagster as dg
 
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, lock_name, materialize_shards
-from resources.dataset import DatasetResource
 from shardprep.curation.image_scores import write_image_scores
 from shardprep.curation.scores import load_head
 from shardprep.storage import exists, lock
 from shardprep.verify import file_sizes
 from shardprep.versions import restamp_sizes
+from shardprep_dagster.assets.shard_runs import (
+    SHARD_AUTOMATION,
+    ShardRunConfig,
+    from_record,
+    lock_name,
+    materialize_shards,
+)
+from shardprep_dagster.resources.dataset import DatasetResource
 
 WATERMARK_SKIPPED = ("watermark_model is set, but LAION's watermark detector reads decoded pixels, not CLIP "
                      "embeddings; image_scores does not run it (no pwatermark column is written)")

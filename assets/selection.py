@@ -2,11 +2,11 @@
 
 import dagster as dg
 
-from assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
-from resources.dataset import DatasetResource
 from shardprep.curation.selection import active_rules, selection_inputs, shards_with_samples, update_selection
 from shardprep.storage import lock
 from shardprep.versions import write_stamp
+from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 @dg.asset(

@@ -13,8 +13,6 @@ from typing import Any, Callable
 import dagster as dg
 from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
-from assets.partitions import shard_partitions
-from resources.dataset import DatasetResource
 from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
 from shardprep.ledger import shard_media
@@ -22,6 +20,8 @@ from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
 from shardprep.verify import file_sizes
 from shardprep.versions import stamped_version, write_stamp
+from shardprep_dagster.assets.partitions import shard_partitions
+from shardprep_dagster.resources.dataset import DatasetResource
 
 REBUILD_TAG = "shardprep/rebuild"  # a run tagged "true" rebuilds like ShardRunConfig(rebuild=True)
 LOCK_STRIPES = 256  # per-(asset, shard) locks share this many lock files

@@ -5,11 +5,11 @@ import time
 import dagster as dg
 import pyarrow.parquet as pq
 
-from assets.shard_runs import ShardRunConfig, from_record, materialize_shards
-from resources.dataset import DatasetResource
 from shardprep.ledger import load_ledger
 from shardprep.sources import SourceError, read_rows, required_columns
 from shardprep.storage import atomic_write
+from shardprep_dagster.assets.shard_runs import ShardRunConfig, from_record, materialize_shards
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 @dg.asset(

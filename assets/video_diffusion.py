@@ -2,11 +2,17 @@
 
 import dagster as dg
 
-from assets.shard_runs import SHARD_AUTOMATION, ShardRunConfig, from_record, gpu_device, materialize_shards
-from resources.dataset import DatasetResource
-from resources.nemo import NemoEncoders
 from shardprep.nemo.video_diffusion import write_video_diffusion_samples
 from shardprep.storage import exists
+from shardprep_dagster.assets.shard_runs import (
+    SHARD_AUTOMATION,
+    ShardRunConfig,
+    from_record,
+    gpu_device,
+    materialize_shards,
+)
+from shardprep_dagster.resources.dataset import DatasetResource
+from shardprep_dagster.resources.nemo import NemoEncoders
 
 
 @dg.asset(

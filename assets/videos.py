@@ -4,8 +4,14 @@ import json
 
 import dagster as dg
 
-from assets.images import contact_sheet_metadata
-from assets.shard_runs import (
+from shardprep.checks import check_video_shard
+from shardprep.layout import Layout
+from shardprep.report.contact_sheet import video_contact_sheet
+from shardprep.storage import read_bytes, read_parquet, remove, url_to_fs
+from shardprep.video.shards import write_video_shard
+from shardprep.video.summary import clip_summary
+from shardprep_dagster.assets.images import contact_sheet_metadata
+from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     failures_table,
@@ -13,13 +19,7 @@ from assets.shard_runs import (
     materialize_shards,
     shard_check,
 )
-from resources.dataset import DatasetResource
-from shardprep.checks import check_video_shard
-from shardprep.layout import Layout
-from shardprep.report.contact_sheet import video_contact_sheet
-from shardprep.storage import read_bytes, read_parquet, remove, url_to_fs
-from shardprep.video.shards import write_video_shard
-from shardprep.video.summary import clip_summary
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 def _sheet(layout: Layout, key: str, rebuild: bool) -> dict:

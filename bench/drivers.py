@@ -239,7 +239,7 @@ def chain_ours(s: dict) -> dict:
     # SHARDPREP_CONFIG: the code location the daemon loads serves this config, not whatever
     # demo/work holds; s["env"]: settings under test (shards per run, slots)
     env = {**os.environ, "DAGSTER_HOME": home, "SHARDPREP_CONFIG": config, **s.get("env", {})}
-    cmd = [sys.executable, "-m", "orchestration.cli", "run", "--config", config, "--no-progress",
+    cmd = [sys.executable, "-m", "shardprep_dagster.orchestration.cli", "run", "--config", config, "--no-progress",
            *s.get("cli_args", [])]  # e.g. --in-process, to see what the run queue costs
     stage, tree = run_monitored(cmd, os.path.join(s["dir"], "shardprep-run.log"), env=env, cwd=chain.ROOT)
     left_running = chain.wait_for_daemon(tree)

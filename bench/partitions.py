@@ -159,7 +159,7 @@ class CrashAfter:
 
 
 def register(instance, keys: list[str], results: dict) -> None:
-    from orchestration.runner import SHARD_PARTITIONS, register_partitions
+    from shardprep_dagster.orchestration.runner import SHARD_PARTITIONS, register_partitions
 
     chunks = len(keys) // 10_000 * 3 // 10  # 30% of the chunks, then the process dies
     start = time.perf_counter()
@@ -248,7 +248,7 @@ def workspace(instance):
     from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 
     origin = InProcessCodeLocationOrigin(LoadableTargetOrigin(
-        executable_path=sys.executable, module_name="definitions", working_directory=str(CHECKOUT)),
+        executable_path=sys.executable, module_name="shardprep_dagster.definitions", working_directory=str(CHECKOUT)),
         location_name="shardprep")
     return WorkspaceProcessContext(instance, InProcessWorkspaceLoadTarget(origin))
 
@@ -314,14 +314,14 @@ def run(args, work: Path, results: dict) -> None:
 
     import dagster as dg
 
-    from orchestration.instance import get_instance
-    from orchestration.launch import launch
-    from orchestration.runner import make_plan
-    from orchestration.status import asset_statuses, load_defs
     from shardprep.config import load_config
     from shardprep.layout import Layout
     from shardprep.ledger import load_ledger
     from shardprep.versions import artifact_versions
+    from shardprep_dagster.orchestration.instance import get_instance
+    from shardprep_dagster.orchestration.launch import launch
+    from shardprep_dagster.orchestration.runner import make_plan
+    from shardprep_dagster.orchestration.status import asset_statuses, load_defs
 
     instance = get_instance()
     keys = load_ledger(Layout(load_config(str(config)).output_root)).keys()
@@ -358,8 +358,8 @@ def run(args, work: Path, results: dict) -> None:
               instance, cursor=result.cursor, limit=limit)
 
     def source_tick():
-        from resources.dataset import DatasetResource
-        from sensors.new_source_files import detect_new_source_files
+        from shardprep_dagster.resources.dataset import DatasetResource
+        from shardprep_dagster.sensors.new_source_files import detect_new_source_files
 
         context = dg.build_sensor_context(instance=instance)
         return detect_new_source_files(context, DatasetResource(config_path=str(config)))

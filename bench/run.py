@@ -600,7 +600,7 @@ def _details(results: dict, errors: dict) -> list[str]:
 
 
 def _process_kind(cmd: str) -> str:
-    kinds = {"spawn_main": "run workers", "orchestration.queue_daemon": "queue daemon", "orchestration.cli": "CLI",
+    kinds = {"spawn_main": "run workers", "shardprep_dagster.orchestration.queue_daemon": "queue daemon", "shardprep_dagster.orchestration.cli": "CLI",
              "dagster api": "code server", "watch_": "compute-log watchers"}
     return next((v for k, v in kinds.items() if k in cmd), f"`{cmd}`")
 
@@ -641,7 +641,7 @@ def _chain_details(r: dict) -> list[str]:
          f"timeout {s['timeout']} s; CLIP `{os.path.basename(s['model'])}` (SMALL_224, random weights, CPU), "
          f"batch {s['batch_size']}, text embeddings on; energon split {s['split_ratio']}, `CaptioningSample` "
          "image=jpg caption=txt",
-         "- shardprep: `python -m orchestration.cli run --config <yaml> --no-progress` with its defaults on a fresh "
+         "- shardprep: `python -m shardprep_dagster.orchestration.cli run --config <yaml> --no-progress` with its defaults on a fresh "
          "`DAGSTER_HOME` (the checkout's dagster.yaml; `SHARDPREP_CONFIG` = the same yaml), NeMo outputs off; it "
          "starts its private queue daemon, whose code server launches one process per run. It also writes what "
          "the glue does not: per-shard contact sheets, stamps, checks, text reordering, the dataset report",

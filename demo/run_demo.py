@@ -131,7 +131,7 @@ def main() -> int:
         print(f"serving demo images at {served[0]} (Ctrl-C to stop)")
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
-    from orchestration.cli import main as cli_main
+    from shardprep_dagster.orchestration.cli import main as cli_main
 
     t0 = time.time()
     code = cli_main(["run", "--config", config])

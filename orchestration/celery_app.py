@@ -1,4 +1,4 @@
-"""The Celery app shardprep workers run (``celery -A orchestration.celery_app worker``; ``shardprep worker``
+"""The Celery app shardprep workers run (``celery -A shardprep_dagster.orchestration.celery_app worker``; ``shardprep worker``
 starts it): dagster-celery's step task, with the broker, backend and settings of
 ``orchestration.distributed`` (``SHARDPREP_CELERY_BROKER`` / ``SHARDPREP_CELERY_BACKEND``), so the
 runs and the workers always agree.
@@ -26,9 +26,9 @@ from dagster_celery.make_app import make_app
 from dagster_celery.tasks import create_task
 from kombu.asynchronous import get_event_loop
 
-from resources.executor import celery_config
-from resources.settings import load_settings
 from shardprep import fetch
+from shardprep_dagster.resources.executor import celery_config
+from shardprep_dagster.resources.settings import load_settings
 
 
 def abandon_downloads(**_signal_kwargs) -> None:
@@ -60,7 +60,7 @@ def _nothing() -> None:
     pass
 
 
-# connected at import, so any worker that loads this module (``-A orchestration.celery_app``) has it;
+# connected at import, so any worker that loads this module (``-A shardprep_dagster.orchestration.celery_app``) has it;
 # weak=False: the signal must keep the receiver; dispatch_uid: one connection however often imported
 worker_shutting_down.connect(abandon_downloads, weak=False, dispatch_uid="shardprep.abandon_downloads")
 

@@ -35,8 +35,8 @@ def print_summary(summary) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from orchestration.runner import run_pipeline
     from shardprep.errors import ShardprepError
+    from shardprep_dagster.orchestration.runner import run_pipeline
 
     try:
         if args.verify:
@@ -57,10 +57,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _verify(config: str, mark: bool):
-    from orchestration.instance import get_instance
-    from orchestration.verify import verify_dataset
-    from resources.dataset import config_url
     from shardprep.config import load_config
+    from shardprep_dagster.orchestration.instance import get_instance
+    from shardprep_dagster.orchestration.verify import verify_dataset
+    from shardprep_dagster.resources.dataset import config_url
 
     load_config(config_url(config))  # a bad config is named before the instance is opened
     report = verify_dataset(config, get_instance(), mark=mark)
@@ -80,8 +80,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from orchestration.reshard import reshard
     from shardprep.errors import ShardprepError
+    from shardprep_dagster.orchestration.reshard import reshard
 
     try:
         result = reshard(args.config, args.source)
@@ -93,14 +93,14 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestration.status import status
+    from shardprep_dagster.orchestration.status import status
 
     print(status(args.config))
     return 0
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from orchestration.backfill import BackfillError, launch_backfill
+    from shardprep_dagster.orchestration.backfill import BackfillError, launch_backfill
 
     partitions = [p.strip() for p in args.partitions.split(",") if p.strip()] if args.partitions else None
     try:
@@ -121,7 +121,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker (signals reach it directly; SIGTERM: a warm shutdown, the
     downloads in flight abandoned: ``orchestration.celery_app``)."""
-    from orchestration.distributed import QUEUES, worker_argv, worker_env
+    from shardprep_dagster.orchestration.distributed import QUEUES, worker_argv, worker_env
 
     queues = args.queue or list(QUEUES)
     argv = worker_argv(queues, args.concurrency, args.name, args.loglevel)

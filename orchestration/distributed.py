@@ -27,7 +27,7 @@ def worker_argv(queues: list[str], concurrency: int, name: str | None, loglevel:
     step is there for the next; ``concurrency`` > 1 forks that many long-lived children instead."""
     celery = shutil.which("celery", path=os.path.dirname(sys.executable)) or "celery"
     pool = ["--pool", "solo"] if concurrency == 1 else ["--pool", "prefork", "--concurrency", str(concurrency)]
-    return [celery, "-A", "orchestration.celery_app", "worker", "--loglevel", loglevel,
+    return [celery, "-A", "shardprep_dagster.orchestration.celery_app", "worker", "--loglevel", loglevel,
             "-Q", ",".join(queues), *pool, "-n", f"{name or 'shardprep-' + str(os.getpid())}@{socket.gethostname()}",
             "--without-gossip", "--without-mingle"]
 

@@ -9,16 +9,16 @@ import sys
 
 import dagster as dg
 
-from orchestration.plan import Plan, globals_needed, newest_materialization
-from orchestration.stop import Stop
-from orchestration.summary import RunSummary
-from resources.dataset import HOST_TAG, PID_TAG
+from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
+from shardprep_dagster.orchestration.stop import Stop
+from shardprep_dagster.orchestration.summary import RunSummary
+from shardprep_dagster.resources.dataset import HOST_TAG, PID_TAG
 
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
 def _failure_message(result: dg.ExecuteInProcessResult) -> str:
-    from orchestration.launch import error_cause
+    from shardprep_dagster.orchestration.launch import error_cause
 
     for event in result.all_events:
         if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:

@@ -6,8 +6,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from resources.settings import default_download_slots, default_gpu_slots, load_settings
 from shardprep.storage import file_lock
+from shardprep_dagster.resources.settings import default_download_slots, default_gpu_slots, load_settings
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ from dagster._core.events import DagsterEventType
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from orchestration.queue_daemon import IN_FLIGHT, lock_path
+from shardprep_dagster.orchestration.queue_daemon import IN_FLIGHT, lock_path
 
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 ACTIVE = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
@@ -67,7 +67,7 @@ def ensure_daemon(instance: dg.DagsterInstance) -> str:
         return serving
     log = open(os.path.join(instance.root_directory, "shardprep_daemon.log"), "ab")
     _spawned[instance.root_directory] = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "shardprep_dagster.orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, env={**os.environ, "DAGSTER_HOME": instance.root_directory},
         start_new_session=True)  # outlives this process: it finishes the runs it launched
     return "started"
@@ -79,7 +79,7 @@ def ensure_daemon(instance: dg.DagsterInstance) -> str:
 def launch(instance: dg.DagsterInstance, pairs: Pairs, *, tags: dict[str, str], title: str,
            run_config: dict | None = None) -> str:
     """Create an asset backfill of exactly ``pairs``; returns its id (the daemon takes it from there)."""
-    from assets import shard_partitions
+    from shardprep_dagster.assets import shard_partitions
 
     subset = AssetGraphSubset(
         partitions_subsets_by_asset_key={k: shard_partitions.subset_with_partition_keys(sorted(v))
@@ -161,7 +161,7 @@ def in_flight(instance: dg.DagsterInstance) -> tuple[Pairs, list[str]]:
 
 def run_partitions(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[str]:
     """The shards a run materializes: its partition, or every shard of its partition range."""
-    from assets import shard_partitions
+    from shardprep_dagster.assets import shard_partitions
 
     if "dagster/partition" in run.tags:
         return [run.tags["dagster/partition"]]

@@ -4,7 +4,7 @@ turned into runs by Dagster's BackfillDaemon (dependencies, BackfillPolicy batch
 launched by the QueuedRunCoordinatorDaemon with the instance's run launcher, bounded by the instance's
 run and pool limits -- the machinery the UI uses. Sensors, schedules and automation do not run here.
 
-    python -m orchestration.queue_daemon [--idle-seconds 20]
+    python -m shardprep_dagster.orchestration.queue_daemon [--idle-seconds 20]
 
 One per instance (an exclusive lock in ``$DAGSTER_HOME``). It exits once the instance has had no
 backfill or run in progress for ``--idle-seconds``, so the last shard's run is never cut off by the
@@ -22,12 +22,13 @@ import time
 
 import dagster as dg
 
-from orchestration.instance import dagster_home, get_instance
+from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
 LOCK_NAME = ".shardprep-queue-daemon.lock"
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
-HEARTBEAT_SECONDS = 5  # a private daemon's heartbeats: clients see it alive within this
+HEARTBEAT_SECONDS = 5
+CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name  # a private daemon's heartbeats: clients see it alive within this
 
 
 def lock_path() -> str:
@@ -76,8 +77,8 @@ def code_location_target():
 
     from dagster._core.workspace.load_target import ModuleTarget
 
-    origin = importlib.util.find_spec("definitions").origin  # found, not imported (that builds the graph)
-    return ModuleTarget(module_name="definitions", attribute=None, location_name="shardprep",
+    origin = importlib.util.find_spec(CODE_LOCATION).origin  # found, not imported (that builds the graph)
+    return ModuleTarget(module_name=CODE_LOCATION, attribute=None, location_name="shardprep",
                         working_directory=os.path.dirname(os.path.abspath(origin)))
 
 
@@ -117,7 +118,7 @@ def serve(idle_seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestration.queue_daemon", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m shardprep_dagster.orchestration.queue_daemon", description=__doc__)
     parser.add_argument("--idle-seconds", type=float, default=20.0,
                         help="exit once no run has been queued or in progress this long")
     args = parser.parse_args(argv)

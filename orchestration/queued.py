@@ -18,14 +18,14 @@ import time
 
 import dagster as dg
 
-from assets.shard_runs import REBUILD_TAG
-from orchestration.instance import instance_lock
-from orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
-from orchestration.plan import Plan, globals_needed, newest_materialization
-from orchestration.recovery import recover_dead_runs
-from orchestration.stop import Stop
-from orchestration.summary import RunSummary
-from resources.dataset import CONFIG_TAG
+from shardprep_dagster.assets.shard_runs import REBUILD_TAG
+from shardprep_dagster.orchestration.instance import instance_lock
+from shardprep_dagster.orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
+from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
+from shardprep_dagster.orchestration.recovery import recover_dead_runs
+from shardprep_dagster.orchestration.stop import Stop
+from shardprep_dagster.orchestration.summary import RunSummary
+from shardprep_dagster.resources.dataset import CONFIG_TAG
 
 POLL_SECONDS = 0.5
 DAEMON_CHECK_SECONDS = 5.0

@@ -13,8 +13,8 @@ import dagster as dg
 from dagster._core.storage.dagster_run import FINISHED_STATUSES
 from dagster._core.storage.tags import GRPC_INFO_TAG
 
-from resources.dataset import HOST_TAG, PID_TAG
 from shardprep.storage import pid_alive
+from shardprep_dagster.resources.dataset import HOST_TAG, PID_TAG
 
 
 def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
@@ -99,7 +99,7 @@ def _answers(server: dict) -> bool:
 
 
 def _daemon_alive(instance: dg.DagsterInstance) -> bool:
-    from orchestration.launch import daemon_serving
+    from shardprep_dagster.orchestration.launch import daemon_serving
 
     if getattr(instance, "root_directory", None) is None:
         return True  # an ephemeral instance has no daemon: its runs are in-process ones, tagged

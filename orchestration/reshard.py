@@ -10,12 +10,12 @@ from typing import Sequence
 
 import dagster as dg
 
-from orchestration.invalidate import invalidate
-from resources.dataset import config_url
 from shardprep.artifacts import PER_SHARD
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.ledger import ReshardResult, reshard_source
+from shardprep_dagster.orchestration.invalidate import invalidate
+from shardprep_dagster.resources.dataset import config_url
 
 PARTITION_ADD_CHUNK = 10_000  # dynamic partitions added per call
 
@@ -29,10 +29,10 @@ def reshard(config_path: str, source_url: str, instance: dg.DagsterInstance | No
     """Re-shard one source file (``shardprep reshard --config CONFIG --source URL``): shards whose rows
     changed lose their materializations of every per-shard asset, new shards become partitions.
     ``instance``: the Dagster instance (default: the CLI's, at $DAGSTER_HOME)."""
-    from assets import shard_partitions
+    from shardprep_dagster.assets import shard_partitions
 
     if instance is None:
-        from orchestration.instance import get_instance
+        from shardprep_dagster.orchestration.instance import get_instance
 
         instance = get_instance()
     cfg = load_config(config_url(config_path))

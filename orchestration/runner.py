@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.partitions import SHARD_PARTITIONS
-from orchestration.instance import get_instance, instance_lock
-from orchestration.plan import Plan
-from orchestration.recovery import recover_dead_runs
-from orchestration.summary import RunSummary, finish
-from resources.dataset import config_url, load_dataset
 from shardprep.ledger import Registration, register_sources
+from shardprep_dagster.assets.partitions import SHARD_PARTITIONS
+from shardprep_dagster.orchestration.instance import get_instance, instance_lock
+from shardprep_dagster.orchestration.plan import Plan
+from shardprep_dagster.orchestration.recovery import recover_dead_runs
+from shardprep_dagster.orchestration.summary import RunSummary, finish
+from shardprep_dagster.resources.dataset import config_url, load_dataset
 
 
 def register_partitions(instance: dg.DagsterInstance, keys: list[str], chunk: int = 10_000) -> int:
@@ -46,7 +46,7 @@ def make_plan(config_path: str, instance: dg.DagsterInstance, rebuild: bool = Fa
     """What a run of the config at ``config_path`` must do. The config is read once per process
     (``load_dataset``: the code location built here reads the same copy); ``registration``: the source
     files already registered by the caller (else here)."""
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     cfg, versions = load_dataset(config_path)
     reg = registration or register_sources(cfg, config_path=config_path)  # a bad source fails here
@@ -77,11 +77,11 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
                          appended_sources=plan.registration.appended_sources,
                          empty_sources=plan.registration.empty_sources)
     if in_process:
-        from orchestration.in_process import execute
+        from shardprep_dagster.orchestration.in_process import execute
 
         execute(plan, instance, summary, progress)
     else:
-        from orchestration.queued import execute
+        from shardprep_dagster.orchestration.queued import execute
 
         execute(plan, instance, summary, progress)
     return finish(plan, instance, summary)

@@ -12,8 +12,8 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 from dagster._core.instance.types import CachingDynamicPartitionsLoader
 from dagster._core.storage.partition_status_cache import AssetStatusCacheValue, get_and_update_asset_status_cache_value
 
-from orchestration.plan import current_partitions, latest_version
-from resources.dataset import config_url
+from shardprep_dagster.orchestration.plan import current_partitions, latest_version
+from shardprep_dagster.resources.dataset import config_url
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,10 @@ def load_defs(config_path: str | None) -> dg.Definitions:
         warnings.simplefilter("ignore", dg.BetaWarning)
         warnings.simplefilter("ignore", dg.PreviewWarning)
         if config_path:
-            from definitions import build_defs
+            from shardprep_dagster.definitions import build_defs
 
             return build_defs(config_url(config_path))
-        from definitions import defs
+        from shardprep_dagster.definitions import defs
 
         return defs
 
@@ -166,8 +166,8 @@ def media_note(config_path: str) -> str:
 
 
 def status(config_path: str | None = None, instance: dg.DagsterInstance | None = None) -> str:
-    from orchestration.instance import get_instance
-    from resources.settings import load_settings
+    from shardprep_dagster.orchestration.instance import get_instance
+    from shardprep_dagster.resources.settings import load_settings
 
     instance = instance or get_instance()
     table = format_status(asset_statuses(instance, load_defs(config_path)))

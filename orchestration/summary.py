@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from orchestration.plan import Plan, current_partitions, global_is_current
+from shardprep_dagster.orchestration.plan import Plan, current_partitions, global_is_current
 
 
 @dataclass

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from orchestration.invalidate import invalidate
-from orchestration.plan import current_partitions, latest_version
-from resources.dataset import config_url
 from shardprep.artifacts import ARTIFACTS, GLOBALS
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.verify import Problem, verify_global, verify_shard
 from shardprep.versions import artifact_versions, remove_stamp
+from shardprep_dagster.orchestration.invalidate import invalidate
+from shardprep_dagster.orchestration.plan import current_partitions, latest_version
+from shardprep_dagster.resources.dataset import config_url
 
 THREADS = 16  # reading is I/O bound (object stores: one request per file or header range)
 REBUILT_WHEN_BROKEN = ("balanced_shards", "precached_encodings")
@@ -66,7 +66,7 @@ class VerifyReport:
 def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = True) -> VerifyReport:
     """Verify every materialized (asset, shard) of the config's enabled assets; with ``mark``, invalidate
     the broken ones so the next run redoes them (and nothing else)."""
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     config_path = config_url(config_path)
     cfg = load_config(config_path)

@@ -1,5 +1,5 @@
-from resources.clip import ClipResource
-from resources.dataset import DatasetResource
-from resources.nemo import NemoEncoders
+from shardprep_dagster.resources.clip import ClipResource
+from shardprep_dagster.resources.dataset import DatasetResource
+from shardprep_dagster.resources.nemo import NemoEncoders
 
 __all__ = ["ClipResource", "DatasetResource", "NemoEncoders"]

@@ -2,8 +2,8 @@
 
 import dagster as dg
 
-from resources.dataset import DatasetResource
 from shardprep.models.clip import ClipEncoder, load_clip_encoder
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 class ClipResource(dg.ConfigurableResource):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from resources.settings import Settings
+from shardprep_dagster.resources.settings import Settings
 
 # Worker-side Celery settings (the executor passes the same to the workers' app):
 # - acks_late + reject_on_worker_lost: a task is acknowledged when its step ends, so a worker killed

@@ -3,9 +3,9 @@ process."""
 
 import dagster as dg
 
-from resources.dataset import DatasetResource
 from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder, T5TextEncoder
 from shardprep.models.video_autoencoders import VideoAutoencoder
+from shardprep_dagster.resources.dataset import DatasetResource
 
 
 class NemoEncoders(dg.ConfigurableResource):

@@ -4,10 +4,10 @@ import json
 
 import dagster as dg
 
-from assets import shard_partitions, source_parquet
-from resources.dataset import DatasetResource
 from shardprep.ledger import SourceChangedError, load_ledger, register_sources
 from shardprep.sources import SourceError, file_fingerprint, list_all_source_files
+from shardprep_dagster.assets import shard_partitions, source_parquet
+from shardprep_dagster.resources.dataset import DatasetResource
 
 MAX_PARTITION_ADDS_PER_TICK = 25_000  # Dagster's limit per sensor evaluation
 

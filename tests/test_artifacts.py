@@ -15,7 +15,7 @@ from shardprep.layout import Layout
 
 @pytest.fixture(scope="module")
 def graph():
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -7,10 +7,10 @@ from pathlib import Path
 import dagster as dg
 import numpy as np
 
-from definitions import build_defs
-from orchestration.runner import run_pipeline
 from shardprep.checks import check_clip_embeddings, check_image_shard, check_reordered_embeddings
 from shardprep.layout import Layout
+from shardprep_dagster.definitions import build_defs
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config
 

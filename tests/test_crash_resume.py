@@ -32,7 +32,7 @@ def _worker_pid(home: Path, shard: str) -> int:
     """The pid of the run worker materializing ``shard`` (tagged by the worker itself)."""
     import dagster as dg
 
-    from orchestration.launch import run_partitions
+    from shardprep_dagster.orchestration.launch import run_partitions
 
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from orchestration.launch import run_partitions
 from shardprep.layout import Layout
+from shardprep_dagster.orchestration.launch import run_partitions
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 from tests.fixtures.http_server import serve_directory
@@ -44,7 +44,7 @@ def _start_worker(tmp_path: Path, name: str, env: dict[str, str], config: str) -
     (home / "tmp").mkdir(parents=True)
     env = {**env, "TMPDIR": str(home / "tmp"), "SHARDPREP_DEVICE_LOCK_DIR": str(home / "locks")}
     log = open(home / "worker.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", "worker", "--name", name, "--config", config],
+    return subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "worker", "--name", name, "--config", config],
                             cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -137,7 +137,7 @@ def test_a_run_on_two_celery_workers_over_s3_and_postgres_survives_a_killed_work
                         "SHARDPREP_DOWNLOAD_SLOTS": "2"}
 
         def shardprep(*args: str) -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=home.parent,
+            return subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.cli", *args], cwd=home.parent,
                                     env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         launcher = shardprep("run", "--config", config, "--no-progress")

@@ -2,8 +2,8 @@
 
 from dataclasses import fields
 
-from resources.settings import Settings, env_name
 from shardprep.config import DatasetConfig
+from shardprep_dagster.resources.settings import Settings, env_name
 from tests.fixtures.configs import CHECKOUT
 
 

@@ -372,8 +372,8 @@ import os
 import pyarrow as pa
 from celery import Celery
 
-import orchestration.celery_app  # noqa: F401 - installs shardprep's worker_shutting_down hook
-from resources.executor import CELERY_SETTINGS
+import shardprep_dagster.orchestration.celery_app  # noqa: F401 - installs shardprep's worker_shutting_down hook
+from shardprep_dagster.resources.executor import CELERY_SETTINGS
 from shardprep.config import config_from_dict
 from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout

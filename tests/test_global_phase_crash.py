@@ -17,7 +17,7 @@ import dagster as dg
 import pytest
 from dagster._core.events import DagsterEventType
 
-from orchestration.instance import home_lock
+from shardprep_dagster.orchestration.instance import home_lock
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 from tests.fixtures.slow_runs import kill_instance
@@ -31,7 +31,7 @@ class Cli:
 
     def __init__(self, home: Path, *args: str):
         env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], env=env, cwd=CHECKOUT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.cli", *args], env=env, cwd=CHECKOUT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
@@ -81,7 +81,7 @@ def add_source(src: Path, base_url: str, n: int, rows: int) -> None:
 
 def verified(config: str, home: Path, out: Path) -> str:
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    verify = subprocess.run([sys.executable, "-m", "orchestration.cli", "verify", "--config", config, "--no-mark"],
+    verify = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "verify", "--config", config, "--no-mark"],
                             env=env, cwd=CHECKOUT, capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     for rel in GLOBAL_OUTPUTS:

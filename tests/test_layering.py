@@ -1,5 +1,7 @@
-"""The architecture's layering: the core library never imports the Dagster side, product code never
-edits sys.path, and the code location loads by module name from any working directory."""
+"""The architecture's layering: the core library never imports the Dagster side (and imports with Dagster
+not installed at all), product code never edits sys.path, no module is on an import circle or imports a
+layer above its own, the code location loads by module name from any working directory, and the
+distribution installs two top-level names: shardprep and shardprep_dagster."""
 
 import ast
 import os
@@ -9,9 +11,9 @@ from pathlib import Path
 
 from tests.fixtures.configs import CHECKOUT
 
-DAGSTER_SIDE = {"dagster", "dagster_webserver", "dagster_postgres", "dagster_celery", "assets", "resources",
-                "sensors", "orchestration", "definitions", "tests", "demo", "bench"}
-PRODUCT = ["shardprep", "assets", "resources", "sensors", "orchestration", "definitions.py"]
+DAGSTER_SIDE = {"dagster", "dagster_webserver", "dagster_postgres", "dagster_celery", "celery", "shardprep_dagster",
+                "assets", "resources", "sensors", "orchestration", "definitions", "tests", "demo", "bench"}
+PRODUCT = ["shardprep", "assets", "resources", "sensors", "orchestration", "shardprep_dagster.definitions.py"]
 
 
 def _modules(*roots: str) -> list[Path]:
@@ -60,7 +62,7 @@ def test_product_code_never_edits_sys_path():
 
 def test_code_location_loads_by_module_name_from_anywhere(tmp_path):
     # as a worker on another machine loads it: the installed distribution, no checkout on sys.path
-    code = ("import definitions, sys\n"
+    code = ("import shardprep_dagster.definitions as definitions, sys\n"
             "keys = sorted(k.to_user_string() for k in definitions.defs.resolve_asset_graph().get_all_asset_keys())\n"
             "print(keys)\n")
     env = {**os.environ, "PYTHONPATH": "", "SHARDPREP_CONFIG": str(tmp_path / "none.yaml")}
@@ -76,9 +78,50 @@ def test_code_location_loads_by_module_name_from_anywhere(tmp_path):
         logs[-2000:]
 
 
+def test_the_distribution_installs_two_top_level_names_and_its_core_needs_no_dagster():
+    from importlib.metadata import distribution
+
+    dist = distribution("shardprep")
+    tops = {name.split(".")[0] for name in (dist.read_text("top_level.txt") or "").split()}
+    editable = {p.stem for p in Path(sys.prefix).glob("lib/python*/site-packages/__editable___shardprep*finder.py")}
+    assert tops <= {"shardprep", "shardprep_dagster"} and (tops or editable), tops
+    requires = [r for r in dist.requires or [] if "extra ==" not in r]
+    assert not [r for r in requires if r.lower().startswith(("dagster", "celery", "psycopg", "redis"))], requires
+    for name in ("assets", "resources", "sensors", "orchestration", "definitions"):  # nothing generic installed
+        out = subprocess.run([sys.executable, "-c", f"import {name}"], cwd="/", capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": ""}, timeout=60)
+        assert out.returncode != 0 and "No module named" in out.stderr, name
+
+
+def test_the_core_and_its_loaders_work_where_dagster_is_not_installed(tmp_path):
+    """Training code installs the core alone: every core module (the dataloaders included) imports, and
+    the core reads a shard's samples, in a process where the Dagster side cannot be imported at all."""
+    import webdataset as wds
+
+    tar = tmp_path / "00000.tar"
+    with wds.TarWriter(str(tar)) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"00000000{i}", "txt": f"caption {i}", "json": "{}"})
+    names = [".".join(p.relative_to(CHECKOUT).with_suffix("").parts).removesuffix(".__init__")
+             for p in _modules("shardprep")]
+    blocked = sorted(DAGSTER_SIDE - {"tests", "demo", "bench"})
+    code = ("import importlib, importlib.abc, sys\n"
+            "class NoDagster(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {blocked!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r} (not installed)')\n"
+            "sys.meta_path.insert(0, NoDagster())\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n"
+            "from shardprep.tars import iter_samples\n"
+            f"print(sorted(s['txt'].decode() for s in iter_samples({str(tar)!r})))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "['caption 0', 'caption 1', 'caption 2']"
+
+
 def test_the_shardprep_command_is_the_dagster_sides():
     script = Path(sys.executable).parent / "shardprep"
-    assert "orchestration.cli" in script.read_text()
+    assert "shardprep_dagster.orchestration.cli" in script.read_text()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0 and "reshard" in out.stdout
 
@@ -94,6 +137,7 @@ def _module_graph() -> dict[str, set[str]]:
             for p in _modules(*PRODUCT)}
 
     def resolve(name: str) -> str | None:
+        name = name.removeprefix("shardprep_dagster.")  # the Dagster side's installed name
         while name and name not in mods:
             name = name.rpartition(".")[0]
         return name or None

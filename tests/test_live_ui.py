@@ -26,10 +26,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from assets import per_shard_assets
 from shardprep.artifacts import artifact
 from shardprep.config import load_config
 from shardprep.ledger import register_sources
+from shardprep_dagster.assets import per_shard_assets
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
 from tests.fixtures.live_dagster import LiveDagster, prepare_home, start_live_dagster
@@ -115,7 +115,7 @@ def stack(tmp_path_factory, image_site, tiny_clip_dir):
 
     # registered (so the sensor's first tick finds nothing new) and upstream-ready for the GPU backfill
     # test: materialized before the daemon's first automation tick, which does not act on old events
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     instance = dg.DagsterInstance.from_config(str(home))
     try:
@@ -195,7 +195,7 @@ def materializations(live: LiveDagster, asset: str, partitions: list[str]) -> li
 # -- GraphQL smoke -------------------------------------------------------------------------------------
 
 def test_code_location_serves_every_asset_and_both_sensors_running(stack):
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     defs = build_defs(stack.config)
     repos = stack.live.graphql(REPOSITORIES)["repositoriesOrError"]

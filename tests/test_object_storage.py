@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from orchestration.runner import run_pipeline
 from shardprep.layout import Layout
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 

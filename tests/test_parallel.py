@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 from dagster._core.events import DagsterEventType
 
-from orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
 from tests.fixtures.live_dagster import prepare_home
@@ -96,7 +96,7 @@ def test_downloads_overlap_embedding_and_gpu_steps_each_lease_their_own_device(s
 
 def _cli_run(config: str, home: Path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", "run", "--config", config,
+    return subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "run", "--config", config,
                              "--no-progress"], env=env, cwd=CHECKOUT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from orchestration.runner import run_pipeline
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.nemo.balanced import complete_tar_counts
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
@@ -217,7 +217,7 @@ def check_scores(config: str, layout: Layout, embeddings: dict) -> dict:
         assert np.array_equal(meta["aesthetic_score"].to_numpy(), mine["aesthetic_score"].to_numpy())
         assert not verify_shard(layout, cfg, "clip_embeddings", shard).problems
     # the UI's top and bottom contact sheets of a shard by aesthetic score
-    from assets.scores import extremes_metadata
+    from shardprep_dagster.assets.scores import extremes_metadata
 
     sheets = extremes_metadata(layout, shard)
     assert set(sheets) == {"top_by_aesthetic", "bottom_by_aesthetic"}

@@ -14,10 +14,10 @@ import time
 
 import dagster as dg
 
-from assets import per_shard_assets
 from shardprep.artifacts import artifact
 from shardprep.config import load_config
 from shardprep.ledger import register_sources
+from shardprep_dagster.assets import per_shard_assets
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
 from tests.fixtures.services import pg_database, pg_env  # noqa: F401 - a fixture
@@ -31,9 +31,9 @@ CHILD = r"""
 import sys
 checkout, config, shard = sys.argv[1:4]
 
-from definitions import build_defs
-from orchestration.instance import get_instance
-from orchestration.in_process import QUIET_RUN_CONFIG
+from shardprep_dagster.definitions import build_defs
+from shardprep_dagster.orchestration.instance import get_instance
+from shardprep_dagster.orchestration.in_process import QUIET_RUN_CONFIG
 
 instance = get_instance()
 job = build_defs(config).resolve_job_def("shards_job")
@@ -151,7 +151,7 @@ def test_processes_starting_together_set_pool_limits_once(tmp_path, pg_database,
     """Runs started together each find no "download" limit and insert one; Postgres refuses all but
     the first insert (unique violation). The others must keep that limit, not crash. Replayed with
     threads released by a barrier, round after round, on a real server."""
-    from orchestration.instance import apply_pool_limits, pool_limits
+    from shardprep_dagster.orchestration.instance import apply_pool_limits, pool_limits
 
     home = tmp_path / "dagster_home"
     home.mkdir()

@@ -20,12 +20,6 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from assets import clip_embeddings, image_shards, reordered_embeddings, source_parquet
-from assets.report import dataset_report
-from orchestration.runner import run_pipeline
-from orchestration.status import asset_statuses
-from resources.clip import ClipResource
-from resources.dataset import DatasetResource
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.ledger import register_sources
@@ -41,6 +35,12 @@ from shardprep.report.contact_sheet import (
     grid_size,
     inline_image,
 )
+from shardprep_dagster.assets import clip_embeddings, image_shards, reordered_embeddings, source_parquet
+from shardprep_dagster.assets.report import dataset_report
+from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.status import asset_statuses
+from shardprep_dagster.resources.clip import ClipResource
+from shardprep_dagster.resources.dataset import DatasetResource
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, write_config
 from tests.fixtures.live_dagster import free_port, start_live_dagster
@@ -295,7 +295,7 @@ def _status_rows(text: str) -> dict[str, list[str]]:
 
 def test_status_counts_materialized_failed_and_missing(run):
     env = {**os.environ, **CLI_ENV, "DAGSTER_HOME": str(run["home"])}
-    out = subprocess.run([sys.executable, "-m", "orchestration.cli", "status", "--config", run["config"]],
+    out = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "status", "--config", run["config"]],
                          cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = _status_rows(out.stdout)
@@ -312,7 +312,7 @@ def test_status_counts_materialized_failed_and_missing(run):
     assert after["dataset_report"].state == "materialized" and after["dataset_report"].last_materialized
     assert after["image_shards"].materialized == 3 and after["image_shards"].missing == 1
     assert after["image_shards"].failed == 1
-    from orchestration.status import format_status
+    from shardprep_dagster.orchestration.status import format_status
 
     table = _status_rows(format_status(list(after.values())))
     assert table["dataset_report"][0] == "yes" and "(unpartitioned)" in table["dataset_report"]
@@ -320,7 +320,7 @@ def test_status_counts_materialized_failed_and_missing(run):
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, **CLI_ENV, "DAGSTER_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], cwd=CHECKOUT, env=env,
+    return subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", *args], cwd=CHECKOUT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

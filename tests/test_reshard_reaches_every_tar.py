@@ -11,15 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from definitions import build_defs
-from orchestration.reshard import reshard
-from orchestration.runner import run_pipeline
-from orchestration.verify import verify_dataset
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.nemo.balanced import load_state
 from shardprep.tars import read_samples_by_key, sample_keys
+from shardprep_dagster.definitions import build_defs
+from shardprep_dagster.orchestration.reshard import reshard
+from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.verify import verify_dataset
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 

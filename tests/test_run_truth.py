@@ -9,7 +9,7 @@ import sys
 import dagster as dg
 import pytest
 
-from orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 
@@ -62,7 +62,7 @@ def test_a_bad_config_is_refused_before_the_instance_is_opened(tmp_path, source)
     home = tmp_path / "home"
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     for command in (["run"], ["run", "--verify"], ["verify"]):
-        done = subprocess.run([sys.executable, "-m", "orchestration.cli", *command, "--config", config], env=env,
+        done = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", *command, "--config", config], env=env,
                               cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "image_size" in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not home.exists() and not out.exists(), command  # no instance opened, nothing written

@@ -29,10 +29,10 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from orchestration.runner import run_pipeline
 from shardprep import storage
 from shardprep.keys import index_of_key
 from shardprep.layout import Layout
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
@@ -247,7 +247,7 @@ def test_energon_loads_both_indexes_from_s3(s3_run, tmp_path, monkeypatch):
 
 
 def test_verify_finds_damaged_s3_outputs_and_a_rerun_repairs_exactly_them(s3_run, monkeypatch):
-    from orchestration.verify import verify_dataset
+    from shardprep_dagster.orchestration.verify import verify_dataset
 
     fs, layout, config, instance = s3_run["fs"], s3_run["layout"], s3_run["config"], s3_run["instance"]
     assert verify_dataset(config, instance, mark=False).ok
@@ -281,7 +281,7 @@ def test_cli_run_on_s3_with_the_aws_variables_only(s3_env, tmp_path, image_site,
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(server.env(), DAGSTER_HOME=str(tmp_path / "home"), SHARDPREP_AUTOMATION="off",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-m", "orchestration.cli", "run", "--config", f"{root}/shardprep.yaml",
+    out = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "run", "--config", f"{root}/shardprep.yaml",
                           "--in-process"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     layout = Layout(f"{root}/out")

@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from assets import source_parquet
-from resources import DatasetResource
-from sensors import new_source_files
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.sources import read_rows
+from shardprep_dagster.assets import source_parquet
+from shardprep_dagster.resources import DatasetResource
+from shardprep_dagster.sensors import new_source_files
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config
 
@@ -92,7 +92,7 @@ def test_new_files_become_partitions_and_runs_once(source, instance):
 
 
 def test_sensor_targets_source_parquet_in_the_code_location():
-    from definitions import defs
+    from shardprep_dagster.definitions import defs
 
     job = defs.resolve_job_def(defs.resolve_sensor_def("new_source_files").job_name)
     assert job.asset_layer.selected_asset_keys == {source_parquet.key}  # the rest follows by automation
@@ -198,8 +198,8 @@ def test_rewritten_source_is_reported_once_with_the_reshard_command(source, inst
 
 
 def test_reshard_wipes_exactly_the_changed_shards_in_the_instance(source, instance):
-    from assets import per_shard_assets
-    from orchestration.reshard import reshard
+    from shardprep_dagster.assets import per_shard_assets
+    from shardprep_dagster.orchestration.reshard import reshard
 
     src, config = source
     tick(instance, config)  # shards 00000-00004 registered and partitions
@@ -243,7 +243,7 @@ def test_unreachable_source_is_a_skip_reason(tmp_path, instance):
 
 
 def test_partition_adds_per_tick_are_capped(source, instance, monkeypatch):
-    module = importlib.import_module("sensors.new_source_files")
+    module = importlib.import_module("shardprep_dagster.sensors.new_source_files")
     assert module.MAX_PARTITION_ADDS_PER_TICK == 25_000  # Dagster's per-evaluation limit
     monkeypatch.setattr(module, "MAX_PARTITION_ADDS_PER_TICK", 2)
     src, config = source

@@ -2,9 +2,9 @@
 
 import pytest
 
-from orchestration.distributed import QUEUES, worker_argv, worker_env
-from resources.executor import CELERY_SETTINGS
-from resources.settings import Settings, SettingsError, load_settings
+from shardprep_dagster.orchestration.distributed import QUEUES, worker_argv, worker_env
+from shardprep_dagster.resources.executor import CELERY_SETTINGS
+from shardprep_dagster.resources.settings import Settings, SettingsError, load_settings
 
 
 def test_settings_default_and_parse():
@@ -27,7 +27,7 @@ def test_bad_settings_are_named(var, value, message):
 
 
 def test_the_executor_setting_selects_celery_and_routes_pools_to_queues(tmp_path):
-    from definitions import build_defs
+    from shardprep_dagster.definitions import build_defs
 
     config = str(tmp_path / "absent.yaml")  # no config yet: every asset, unversioned
     local = build_defs(config, Settings()).resolve_job_def("shards_job")
@@ -43,7 +43,7 @@ def test_the_executor_setting_selects_celery_and_routes_pools_to_queues(tmp_path
 
 def test_worker_command_and_environment():
     argv = worker_argv(["gpu"], 1, "g0")
-    assert argv[1:4] == ["-A", "orchestration.celery_app", "worker"] and "solo" in argv
+    assert argv[1:4] == ["-A", "shardprep_dagster.orchestration.celery_app", "worker"] and "solo" in argv
     assert argv[argv.index("-Q") + 1] == "gpu" and argv[argv.index("-n") + 1].startswith("g0@")
     assert "prefork" in worker_argv(["download", "dagster"], 4, None)
     env = worker_env({"PATH": "/bin"}, "3", "s3://b/c.yaml")

@@ -13,17 +13,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestration.reshard import reshard
-from orchestration.runner import run_pipeline
 from shardprep.layout import Layout
 from shardprep.ledger import SourceChangedError, load_ledger
+from shardprep_dagster.orchestration.reshard import reshard
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", *args], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

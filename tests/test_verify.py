@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from orchestration.runner import run_pipeline
-from orchestration.verify import verify_dataset
 from shardprep.config import load_config
 from shardprep.layout import Layout
 from shardprep.report.page import collect
 from shardprep.verify import verify_energon_index, verify_image_shard
+from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.verify import verify_dataset
 from tests.fixtures import synthetic
 from tests.fixtures.configs import write_config
 from tests.fixtures.live_dagster import prepare_home
@@ -88,7 +88,7 @@ def test_verify_cli_reports_without_marking(done):
     os.remove(layout.reordered_img("00002"))
     Path(f"{layout.tar('00000')}.idx").unlink()  # energon's per-tar index
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    out = subprocess.run([sys.executable, "-m", "orchestration.cli", "verify", "--config", config, "--no-mark"],
+    out = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "verify", "--config", config, "--no-mark"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "BROKEN reordered_embeddings 00002" in out.stdout and "BROKEN image_energon_index _all" in out.stdout

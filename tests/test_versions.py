@@ -8,11 +8,11 @@ import dagster as dg
 import pytest
 import yaml
 
-from orchestration.runner import run_pipeline
 from shardprep.artifacts import ARTIFACTS
 from shardprep.config import config_from_dict
 from shardprep.layout import Layout
 from shardprep.versions import artifact_versions, stamped_version
+from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 
@@ -152,8 +152,8 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
 
 
 def test_outdated_partitions_show_in_status(dataset):
-    from definitions import build_defs
-    from orchestration.status import asset_statuses, format_status
+    from shardprep_dagster.definitions import build_defs
+    from shardprep_dagster.orchestration.status import asset_statuses, format_status
 
     path, fields = dataset
     with dg.instance_for_test() as instance:

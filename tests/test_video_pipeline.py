@@ -14,10 +14,10 @@ import pytest
 import torch
 import webdataset as wds
 
-from orchestration.runner import run_pipeline
-from orchestration.verify import verify_dataset
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
+from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.verify import verify_dataset
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
@@ -160,7 +160,7 @@ def test_images_and_videos_share_one_partition_set_and_one_energon_dataset(datas
     assert 'id="video_shards"' in report and 'id="clip_durations"' in report
     assert verify_dataset(config, instance, mark=False).ok
     # `shardprep status` says which shards are which
-    from orchestration.status import status
+    from shardprep_dagster.orchestration.status import status
 
     assert status(config, instance).splitlines()[-1].startswith("shards: 2 image, 1 video. Image shards only: ")
 
