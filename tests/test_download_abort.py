@@ -305,7 +305,8 @@ def test_after_abort_all_refusing_new_pools_a_shard_fails_before_any_change(tmp_
 # ---------------------------------------------------------------- real processes
 
 _SHARD_SCRIPT = """
-import json, sys
+import faulthandler, json, signal, sys
+faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it does not stop in time
 import pyarrow as pa
 from shardprep.config import config_from_dict
 from shardprep.images.shards import write_image_shard
@@ -347,6 +348,8 @@ def _stop_within(proc: subprocess.Popen, sig: int, seconds: float) -> float:
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # where it is stuck, into its log (faulthandler)
+        time.sleep(1)
         proc.kill()
         proc.wait()
         pytest.fail(f"the process was still running {seconds}s after {signal.Signals(sig).name}")
@@ -355,13 +358,19 @@ def _stop_within(proc: subprocess.Popen, sig: int, seconds: float) -> float:
 
 def test_sigint_stops_a_shard_process_at_once_and_nothing_is_written(tmp_path, slow_server):
     argv = [sys.executable, "-c", _SHARD_SCRIPT, json.dumps(_fields(tmp_path)), json.dumps(_slow_urls(slow_server))]
-    with _running(argv, tmp_path, _env()) as proc:
-        slow_server.wait_for_hits(4, 60)
-        time.sleep(0.5)
-        seconds = _stop_within(proc, signal.SIGINT, 5)
-    output = (tmp_path / "output.log").read_text()
+    try:
+        with _running(argv, tmp_path, _env()) as proc:
+            slow_server.wait_for_hits(4, 60)
+            time.sleep(0.5)
+            # the downloads stop within a second (the tests above); the rest is a Python process printing its
+            # traceback and exiting, which a loaded 2-core machine may slow: the bound keeps well below the
+            # 30 s (3 x timeout) the in-flight downloads took before
+            seconds = _stop_within(proc, signal.SIGINT, 10)
+    finally:
+        output = (tmp_path / "output.log").read_text()
+        print(output[-6000:])  # shown when the test fails: the stacks faulthandler wrote, if it hung
     assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
-    assert seconds < 5
+    assert seconds < 10
     assert _files_under(tmp_path / "out") == []
     assert slow_server.hits() == 4
 

@@ -79,12 +79,14 @@ def aesthetic_score(meta: dict) -> float:
     return 0.0
 
 
-def _prepare(sample: dict, resolution: int, url: str) -> dict:
-    """Decode + preprocess one sample (worker thread); a bad sample becomes a failure record."""
+def parse_sample(sample: dict, url: str, exts: tuple[str, ...], what: str) -> tuple[str, str, dict] | dict:
+    """``(media extension, caption, json meta)`` of a tar sample a diffusion sample is made from, or a
+    failure record ``{"key", "reason"}`` (no ``what`` member among ``exts``, no or undecodable caption,
+    invalid json: recorded, never a crash)."""
     key = sample["__key__"]
-    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    ext = next((e for e in exts if e in sample), None)
     if ext is None:
-        return {"key": key, "reason": "no image member (" + "/".join(IMAGE_EXTS) + ")"}
+        return {"key": key, "reason": f"no {what} member (" + "/".join(exts) + ")"}
     if "txt" not in sample:
         return {"key": key, "reason": "no .txt caption"}
     try:
@@ -95,8 +97,15 @@ def _prepare(sample: dict, resolution: int, url: str) -> dict:
         meta = json.loads(sample["json"].decode("utf-8")) if "json" in sample else {}
     except ValueError as e:
         return {"key": key, "reason": f"{url}: .json is not valid JSON ({e})"}
-    if not isinstance(meta, dict):
-        meta = {}
+    return ext, caption, meta if isinstance(meta, dict) else {}
+
+
+def _prepare(sample: dict, resolution: int, url: str) -> dict:
+    """Decode + preprocess one sample (worker thread); a bad sample becomes a failure record."""
+    key, parsed = sample["__key__"], parse_sample(sample, url, IMAGE_EXTS, "image")
+    if isinstance(parsed, dict):
+        return parsed
+    ext, caption, meta = parsed
     try:
         tensor = preprocess_image(sample[ext], resolution)
     except Exception as e:  # noqa: BLE001 - a bad image is a recorded failure, never a crash

@@ -32,7 +32,7 @@ import numpy as np
 
 from shardprep.images.shards import ordered_map
 from shardprep.models.video_autoencoders import frames_to_use
-from shardprep.nemo.diffusion import aesthetic_score, latent_problem, pth_bytes
+from shardprep.nemo.diffusion import aesthetic_score, latent_problem, parse_sample, pth_bytes
 from shardprep.storage import exists, remove
 from shardprep.tars import TarWriter, iter_samples
 
@@ -95,21 +95,10 @@ def decode_clip(data: bytes, max_frames: int, temporal: int, resolution: int, mu
 
 def _prepare(sample: dict, url: str, max_frames: int, temporal: int, resolution: int, multiple: int) -> dict:
     """Decode one clip (worker thread); a bad clip becomes a failure record."""
-    key = sample["__key__"]
-    ext = next((e for e in VIDEO_EXTS if e in sample), None)
-    if ext is None:
-        return {"key": key, "reason": "no video member (" + "/".join(VIDEO_EXTS) + ")"}
-    if "txt" not in sample:
-        return {"key": key, "reason": "no .txt caption"}
-    try:
-        caption = sample["txt"].decode("utf-8")
-    except UnicodeDecodeError as e:
-        return {"key": key, "reason": f"caption is not UTF-8: {e}"}
-    try:
-        meta = json.loads(sample["json"].decode("utf-8")) if "json" in sample else {}
-    except ValueError as e:
-        return {"key": key, "reason": f"{url}: .json is not valid JSON ({e})"}
-    meta = meta if isinstance(meta, dict) else {}
+    key, parsed = sample["__key__"], parse_sample(sample, url, VIDEO_EXTS, "video")
+    if isinstance(parsed, dict):
+        return parsed
+    ext, caption, meta = parsed
     try:
         clip, rate, width, height = decode_clip(sample[ext], max_frames, temporal, resolution, multiple)
     except Exception as e:  # noqa: BLE001 - a bad clip is a recorded failure, never a crash
