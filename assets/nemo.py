@@ -1,6 +1,7 @@
 """NeMo text2img outputs: equal-size tars (reorganize_tar), wdinfo.pkl, precached SD encodings.
 
-Unpartitioned and incremental: complete tars are immutable; new shards only fill the tail and add tars.
+Unpartitioned and incremental: new shards fill the tail and add tars; a complete tar is written again only
+when a sample in it changed or went (a reshard, a takedown), and its encoding with it.
 """
 
 import pickle
@@ -24,7 +25,7 @@ class BalancedConfig(dg.Config):
 
 def _start_over_if_outdated(layout, folder: str, artifact: str, version: str) -> bool:
     """Delete ``folder`` when its outputs were made at another version (a config change, e.g.
-    tar_chunk_size or the image size): complete tars are immutable, so they are rebuilt, not patched."""
+    tar_chunk_size or the image size): every sample changed, so they are rebuilt, not patched."""
     if stamped_version(layout, artifact) == version or not exists(folder):
         return False
     remove_tree(folder)
