@@ -5,7 +5,7 @@ import dagster as dg
 from shardprep.curation.dedup import embedded_shards, update_duplicates
 from shardprep.curation.selection import shards_with_samples
 from shardprep.storage import exists, lock, remove_tree
-from shardprep.versions import write_stamp
+from shardprep.versions import current_stamps, write_stamp
 from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
 from shardprep_dagster.resources.dataset import DatasetResource
 
@@ -29,7 +29,7 @@ def duplicates(context: dg.AssetExecutionContext, dataset: DatasetResource) -> d
     shards = embedded_shards(layout, dataset.versions["clip_embeddings"])
     if not shards:
         # nothing to compare: materializing would claim a dedup of samples nobody looked at
-        waiting = shards_with_samples(layout, dataset.versions["image_shards"])
+        waiting = shards_with_samples(layout, current_stamps(layout, "image_shards", dataset.versions["image_shards"]))
         if waiting:
             raise dg.Failure(description=f"no image shard has CLIP embeddings at the current version: the "
                              f"{len(waiting)} shard(s) with samples ({', '.join(waiting[:5])}"

@@ -4,7 +4,7 @@ import dagster as dg
 
 from shardprep.curation.selection import active_rules, selection_inputs, shards_with_samples, update_selection
 from shardprep.storage import lock
-from shardprep.versions import write_stamp
+from shardprep.versions import current_stamps, write_stamp
 from shardprep_dagster.assets.shard_runs import GLOBAL_AUTOMATION, from_record, versioned
 from shardprep_dagster.resources.dataset import DatasetResource
 
@@ -23,8 +23,10 @@ def sample_selection(context: dg.AssetExecutionContext, dataset: DatasetResource
     every sample is used."""
     layout, version = dataset.layout, dataset.versions["sample_selection"]
     rules = active_rules(dataset.config)
-    inputs = selection_inputs(layout, dataset.versions, rules) if rules else {}
-    with_samples = set(shards_with_samples(layout, dataset.versions["image_shards"])) if rules else set()
+    # the image shards' stamps, read once for both
+    images = current_stamps(layout, "image_shards", dataset.versions["image_shards"]) if rules else {}
+    inputs = selection_inputs(layout, dataset.versions, rules, images) if rules else {}
+    with_samples = set(shards_with_samples(layout, images))
     if with_samples and all(inputs.get(s) is None for s in with_samples):
         # every shard with samples waits for a score or keep mask: a selection of nothing is no selection
         waiting = sorted(with_samples)

@@ -122,7 +122,7 @@ def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], 
         ours = [launch(instance, mine, tags=_tags(plan), title="shardprep run: shards")] if mine else []
     summary.backfills += ours
     if theirs:
-        summary.waited_on += [b for b in busy_ids if b not in summary.waited_on]
+        summary.waited_for(busy_ids)
     shards_of = {}
     for key, keys in mine.items():
         for s in keys:
@@ -138,8 +138,7 @@ def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummar
     with instance_lock(instance, "submit"):
         busy, busy_ids = in_flight(instance)
         if any(k in busy for k in plan.global_keys):  # another run updates them now: wait, then look again
-            theirs = [b for b in busy_ids if b not in summary.backfills]
-            summary.waited_on += [b for b in theirs if b not in summary.waited_on]
+            summary.waited_for(busy_ids)
             ours = []
         elif plan.rebuild or globals_needed(instance, plan.shard_keys, plan.global_keys, plan.versions):
             follower.bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")

@@ -26,6 +26,10 @@ class RunSummary:
     waited_on: list[str] = field(default_factory=list)  # queued: other processes' backfills this run waited for
     shards_settled: int = 0  # storage id of the newest shard materialization when the global step began
 
+    def waited_for(self, backfill_ids: list[str]) -> None:
+        """Note other processes' backfills this run waited for (named if what they had fails)."""
+        self.waited_on += [b for b in backfill_ids if b not in self.waited_on]
+
     @property
     def ok(self) -> bool:
         return not self.failed and self.stopped_by is None

@@ -336,12 +336,18 @@ def read_samples_by_key(url: str, keys: set[str]) -> dict[str, dict[str, bytes]]
     """``{key: {ext: bytes}}`` of the samples named in ``keys``: the headers are read, then only those
     samples' payloads (a few thumbnails out of a large tar cost a few reads, not the whole tar)."""
     samples, _ = header_samples(url, handler=lambda exn: True)
-    wanted = [s for s in samples if s["__key__"] in keys]
+    return read_payloads(url, [s for s in samples if s["__key__"] in keys])
+
+
+def read_payloads(url: str, samples: list[dict]) -> dict[str, dict[str, bytes]]:
+    """``{key: {ext: bytes}}`` of ``samples`` (``header_samples``' dicts of the tar at ``url``), their
+    payloads read in tar order, one open of the file."""
     out: dict[str, dict[str, bytes]] = {}
-    if not wanted:
+    if not samples:
         return out
+    first = {id(s): min(h.data_offset for h in s.values() if isinstance(h, MemberHeader)) for s in samples}
     with storage.open_read(url) as f:
-        for sample in wanted:
+        for sample in sorted(samples, key=lambda s: first[id(s)]):
             members = {}
             for ext, header in sample.items():
                 if isinstance(header, MemberHeader):
@@ -376,6 +382,15 @@ def list_tars(folder: str, *, skip_incomplete: bool = True, skip_empty: bool = F
         and not (skip_incomplete and rel + INCOMPLETE_SUFFIX in found)
         and not (skip_empty and not info.get("size"))
     )
+
+
+def numbered_tars(folder: str) -> set[int]:
+    """The ``n`` of every ``{n}.tar`` directly in ``folder`` (NeMo's balanced and precached tars)."""
+    fs, root = storage.url_to_fs(folder)
+    if not fs.isdir(root):
+        return set()
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    return {int(n[:-4]) for n in names if n.endswith(".tar") and n[:-4].isdigit()}
 
 
 # ---------------------------------------------------------------- writing

@@ -65,6 +65,21 @@ def read_stamp(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> dict |
     return doc if isinstance(doc, dict) and isinstance(doc.get("version"), str) else None
 
 
+def current_stamps(layout: Layout, artifact: str, version: str) -> dict[str, dict | None]:
+    """``{shard: stamp}`` for every shard of the ledger ``artifact`` applies to (its media), in ledger
+    order: the stamp when the shard's outputs are complete at ``version``, else None."""
+    from shardprep.ledger import load_ledger
+
+    ledger = load_ledger(layout)
+    record = ARTIFACTS[artifact]
+    out: dict[str, dict | None] = {}
+    for shard in ledger.keys() if ledger else []:
+        if record.applies(ledger.media(shard)):
+            stamp = read_stamp(layout, artifact, shard)
+            out[shard] = stamp if stamp and stamp["version"] == version else None
+    return out
+
+
 def stamped_version(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> str | None:
     """The version ``shard``'s outputs of ``artifact`` were completed at, or None."""
     doc = read_stamp(layout, artifact, shard)

@@ -345,16 +345,11 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
 def embedded_shards(layout: Layout, clip_version: str) -> dict[str, str]:
     """``{shard: identity}`` of the image shards whose CLIP embeddings are complete at ``clip_version``, in
     ledger order; the identity (version and time of the embeddings' stamp) changes if they are made again."""
-    from shardprep.ledger import load_ledger
-    from shardprep.versions import read_stamp
+    from shardprep.versions import current_stamps
 
-    ledger = load_ledger(layout)
-    out = {}
-    for key in ledger.keys() if ledger else []:
-        stamp = read_stamp(layout, "clip_embeddings", key)
-        if stamp and stamp["version"] == clip_version and storage.exists(layout.img_emb(key)):
-            out[key] = f"{stamp['version']}@{stamp.get('written_at')}"
-    return out
+    return {key: f"{stamp['version']}@{stamp.get('written_at')}"
+            for key, stamp in current_stamps(layout, "clip_embeddings", clip_version).items()
+            if stamp is not None and storage.exists(layout.img_emb(key))}
 
 
 def mask_identities(layout: Layout) -> dict[str, str]:

@@ -52,32 +52,33 @@ class SelectionReport:
     seconds: float = 0.0
 
 
-def selection_inputs(layout: Layout, versions: dict[str, str], rules: dict) -> dict[str, str | None]:
+def selection_inputs(layout: Layout, versions: dict[str, str], rules: dict,
+                     images: dict[str, dict | None] | None = None) -> dict[str, str | None]:
     """``{shard: identity of what its selection reads}`` for the image shards whose download is complete
     (None: a score or keep mask a rule needs is not there yet), in ledger order. The identity changes when
-    the shard's samples, its scores or its keep mask are written again."""
+    the shard's samples, its scores or its keep mask are written again. ``images``: the image shards'
+    ``current_stamps`` when the caller has them."""
     from shardprep.curation.dedup import mask_identities
-    from shardprep.ledger import load_ledger
-    from shardprep.versions import read_stamp
+    from shardprep.versions import current_stamps
 
-    ledger = load_ledger(layout)
+    if images is None:
+        images = current_stamps(layout, "image_shards", versions["image_shards"])
+    scored = current_stamps(layout, "image_scores", versions["image_scores"]) if SCORE_RULES.keys() & rules.keys() \
+        else {}
     masks = mask_identities(layout) if rules.get("dedup") else {}
     out: dict[str, str | None] = {}
-    for key in ledger.keys() if ledger else []:
-        if ledger.media(key) != "image":
+    for key, stamp in images.items():
+        if stamp is None or not storage.exists(layout.shard_parquet(key)):
             continue
-        images = read_stamp(layout, "image_shards", key)
-        if not images or images["version"] != versions["image_shards"] or not storage.exists(layout.shard_parquet(key)):
-            continue
-        parts = [f"images@{images.get('written_at')}"]
+        parts = [f"images@{stamp.get('written_at')}"]
         if SCORE_RULES.keys() & rules.keys():
-            scores = read_stamp(layout, "image_scores", key)
-            if not scores or scores["version"] != versions["image_scores"]:
+            scores = scored.get(key)
+            if scores is None:
                 out[key] = None
                 continue
             parts.append(f"scores@{scores.get('written_at')}")
         if rules.get("dedup"):
-            if images.get("outputs", {}).get(layout.tar(key)) and key not in masks:
+            if stamp.get("outputs", {}).get(layout.tar(key)) and key not in masks:
                 out[key] = None
                 continue
             parts.append(f"dedup@{masks.get(key)}")
@@ -85,18 +86,10 @@ def selection_inputs(layout: Layout, versions: dict[str, str], rules: dict) -> d
     return out
 
 
-def shards_with_samples(layout: Layout, image_version: str) -> list[str]:
-    """The image shards whose download is complete at ``image_version`` with at least one sample."""
-    from shardprep.ledger import load_ledger
-    from shardprep.versions import read_stamp
-
-    ledger = load_ledger(layout)
-    out = []
-    for key in ledger.keys() if ledger else []:
-        stamp = read_stamp(layout, "image_shards", key) if ledger.media(key) == "image" else None
-        if stamp and stamp["version"] == image_version and stamp.get("outputs", {}).get(layout.tar(key)):
-            out.append(key)
-    return out
+def shards_with_samples(layout: Layout, images: dict[str, dict | None]) -> list[str]:
+    """The image shards whose download is complete with at least one sample, of ``images`` (the image
+    shards' ``versions.current_stamps``)."""
+    return [key for key, stamp in images.items() if stamp and stamp.get("outputs", {}).get(layout.tar(key))]
 
 
 def select_shard(layout: Layout, shard: str, rules: dict) -> tuple[list[str], np.ndarray, list[str | None], dict]:

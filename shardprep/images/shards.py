@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
-from shardprep.fetch import DownloadsAborted, abandoned_shard, fetch, make_pool
+from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, fetch, make_pool
 from shardprep.images.resize import resize_image
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
@@ -177,6 +177,21 @@ def _leave(executor: ThreadPoolExecutor, pending: deque, on_abort: Callable[[], 
         executor.shutdown(wait=True, cancel_futures=True)
 
 
+def shard_downloads(work: Callable, items: Iterable, threads: int, pool: AbortablePool, shard: str) -> Iterator:
+    """``ordered_map(work, items)`` over one shard's downloads on ``pool``, for its writer: closed early
+    (an exception in the writer, an interrupt) it abandons the downloads in flight; once ``pool`` is
+    aborted (``fetch.abort_all``: the process is stopping) it raises the shard's ``DownloadsAborted``
+    instead of yielding, so an abandoned download's outcome is never recorded as the URL's own."""
+    with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort)) as results:
+        try:
+            for outcome in results:
+                if pool.aborted:
+                    raise abandoned_shard(shard)
+                yield outcome
+        except DownloadsAborted:  # fetch's own says which pool, not which shard
+            raise abandoned_shard(shard) from None
+
+
 def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout) -> ShardReport:
     """Download and write shard ``shard_id`` from its input rows ``table`` (source column names)."""
     start_time = time.time()
@@ -220,12 +235,10 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     try:
         # opened at the first success: a shard without any gets no tar (and loses a stale one, which
         # would contradict the parquet). Any exception in here (an interrupt, an abort) drops the tar
-        # and stops the downloads in flight (closing the results ends ordered_map, which aborts the pool).
+        # and, closing the results, abandons the downloads in flight.
         with (TarWriter(layout.tar(shard), remove_stale=True) as tar,
-              closing(ordered_map(work, urls, cfg.thread_count, 2 * cfg.thread_count, on_abort=pool.abort)) as results):
+              closing(shard_downloads(work, urls, cfg.thread_count, pool, shard)) as results):
             for i, outcome in enumerate(results):
-                if pool.aborted:  # the outcomes are no longer the URLs' own: none may be recorded
-                    raise abandoned_shard(shard)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 meta: dict[str, Any] = {name: values[name][i] for name in names_in}
@@ -245,8 +258,6 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                     caption = values["caption"][i]
                     members["txt"] = str(caption) if caption is not None else ""
                 tar.add(keys[i], members)
-    except DownloadsAborted:  # fetch's own says which pool, not which shard
-        raise abandoned_shard(shard) from None
     finally:
         pool.clear()
     tar_bytes, tar_written = tar.bytes_written, tar.count > 0

@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple
 from shardprep import storage
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
-from shardprep.tars import INCOMPLETE_SUFFIX, MemberHeader, TarWriter, header_samples
+from shardprep.tars import INCOMPLETE_SUFFIX, TarWriter, header_samples, numbered_tars, read_payloads
 
 STATE_NAME = "state.json"
 STATE_VERSION = 2
@@ -131,20 +131,15 @@ def source_identities(layout: Layout, versions: dict[str, str], selecting: bool)
     while a shard is not ready (its image outputs are not complete at the current version, or a
     selection is in force and has not selected the shard yet). The identity changes whenever the shard's
     samples are written again or its selection is redone."""
-    from shardprep.ledger import load_ledger
-    from shardprep.versions import read_stamp
+    from shardprep.versions import current_stamps
 
-    ledger = load_ledger(layout)
     selection = {}
     if selecting:
         text = storage.read_text(layout.selection_state)
         selection = json.loads(text).get("shards", {}) if text else {}
     out: dict[str, str | None] = {}
-    for shard in ledger.keys() if ledger else []:
-        if ledger.media(shard) != "image":
-            continue
-        stamp = read_stamp(layout, "image_shards", shard)
-        if not stamp or stamp["version"] != versions["image_shards"]:
+    for shard, stamp in current_stamps(layout, "image_shards", versions["image_shards"]).items():
+        if stamp is None:
             out[shard] = None
             continue
         ident = f"images@{stamp.get('written_at')}"
@@ -200,20 +195,7 @@ class _Samples:
         missing = [k for k in keys if k not in headers]
         if missing:
             raise BalancedError(f"{url}: samples {missing[:3]} are not there any more")
-        out: dict[str, dict[str, bytes]] = {}
-        with storage.open_read(url) as f:
-            for key in sorted(keys, key=lambda k: next(iter(_member_headers(headers[k]))).offset):
-                members = {}
-                for ext, header in headers[key].items():
-                    if isinstance(header, MemberHeader):
-                        f.seek(header.data_offset)
-                        members[ext] = f.read(header.size)
-                out[key] = members
-        return out
-
-
-def _member_headers(sample: dict):
-    return (v for v in sample.values() if isinstance(v, MemberHeader))
+        return read_payloads(url, [headers[k] for k in keys])
 
 
 # ---------------------------------------------------------------- the update
@@ -310,10 +292,12 @@ def _update(layout: Layout, raw: dict | None, sources: dict[str, str | None], ch
     pending = f"{layout.balanced_dir}/{PENDING_NAME}"
     storage.write_bytes(pending, json.dumps({"reason": "update in progress"}).encode())
     written: dict[int, list[Entry]] = {}
+    old_home = {e.key: i for i, old in plan.old.items() for e in old}  # the old tar of every sample read
     for i in dirty:  # in index order: a tar's samples come from itself, later tars or shard tars
-        written[i] = _write_tar(layout, plan, i, tars[i], is_partial=i == len(tars) - 1 and len(tars[i]) < chunk,
-                                final=final, reader=reader)
-    removed_tars = _remove_past_end(layout, len(tars), len(old_tars) if raw is not None else _tars_on_disk(layout))
+        is_partial = i == len(tars) - 1 and len(tars[i]) < chunk
+        written[i] = _write_tar(layout, plan, i, tars[i], old_home, is_partial=is_partial, final=final, reader=reader)
+    on_disk = len(old_tars) if raw is not None else max(numbered_tars(layout.balanced_dir), default=-1) + 1
+    removed_tars = _remove_past_end(layout, len(tars), on_disk)
     if tars and tars[-1] is not None and len(tars[-1]) < chunk and len(tars) - 1 not in written:
         _set_marker(layout.balanced_tar(len(tars) - 1), incomplete=not final)
     new_state_tars = []
@@ -362,9 +346,8 @@ def _diff_shard(layout: Layout, plan: _Plan, shard: str, consumed: dict, keys: l
     url = layout.tar(shard)
     now = {k: sample_hash(m) for k, m in reader.read(url, keys).items()} if keys else {}
     placed: set[str] = set()
-    lists = [(i, _load_complete(layout, plan, i)) for i in consumed.get("tars", []) if i < len(plan.complete)]
-    lists.append((None, plan.tail))
-    for _i, entries in lists:
+    holding = [_load_complete(layout, plan, i) for i in consumed.get("tars", []) if i < len(plan.complete)]
+    for entries in [*holding, plan.tail]:
         for pos in range(len(entries) - 1, -1, -1):
             e = entries[pos]
             if e.shard != shard:
@@ -413,11 +396,10 @@ def _compact(layout: Layout, plan: _Plan) -> None:
         plan.tail = plan.tail[plan.chunk:]
 
 
-def _write_tar(layout: Layout, plan: _Plan, index: int, entries: list[Entry], *, is_partial: bool, final: bool,
-               reader: _Samples) -> list[Entry]:
+def _write_tar(layout: Layout, plan: _Plan, index: int, entries: list[Entry], old_home: dict[str, int], *,
+               is_partial: bool, final: bool, reader: _Samples) -> list[Entry]:
     """Write tar ``index`` with ``entries`` (samples read from the old tars or the shard tars, checked
     against their recorded hashes), then its manifest; returns the entries with every hash filled."""
-    old_home = {e.key: i for i, old in plan.old.items() for e in old}
     by_url: dict[str, list[str]] = {}
     for e in entries:
         url = plan.fresh_from.get(e.key) or layout.balanced_tar(old_home[e.key])
@@ -465,16 +447,6 @@ def _remove_past_end(layout: Layout, count: int, old_count: int) -> list[str]:
         storage.remove(manifest_url(layout, i))
         gone.append(url)
     return gone
-
-
-def _tars_on_disk(layout: Layout) -> int:
-    """One past the highest ``{i:05d}.tar`` index in the balanced folder (what a rebuild may leave behind)."""
-    fs, root = storage.url_to_fs(layout.balanced_dir)
-    if not fs.isdir(root):
-        return 0
-    names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    indices = [int(n[:-4]) for n in names if n.endswith(".tar") and n[:-4].isdigit()]
-    return max(indices, default=-1) + 1
 
 
 def _report(layout: Layout, chunk: int, tars: list[dict], final: bool, became_complete: list[str],

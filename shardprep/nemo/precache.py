@@ -38,7 +38,7 @@ from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image
 from shardprep.nemo.balanced import tar_digests
 from shardprep.storage import exists
-from shardprep.tars import TarWriter, iter_samples
+from shardprep.tars import TarWriter, iter_samples, numbered_tars
 
 if TYPE_CHECKING:
     from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder
@@ -173,15 +173,7 @@ def plan_precache(layout: Layout) -> PrecachePlan:
     """What precached_encodings must do to match the balanced tars: encode the complete tars that are
     new or whose samples changed since they were encoded, remove encodings of tars no longer complete."""
     digests, recorded = tar_digests(layout), recorded_sources(layout)
-    on_disk = _precached_indices(layout)
+    on_disk = numbered_tars(layout.precached_dir)
     todo = [i for i in sorted(digests) if recorded.get(i) != digests[i] or i not in on_disk]
     gone = sorted((set(recorded) | on_disk) - set(digests))
     return PrecachePlan(todo, gone, digests, recorded)
-
-
-def _precached_indices(layout: Layout) -> set[int]:
-    fs, root = storage.url_to_fs(layout.precached_dir)
-    if not fs.isdir(root):
-        return set()
-    names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    return {int(n[:-4]) for n in names if n.endswith(".tar") and n[:-4].isdigit()}

@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
-from shardprep.images.shards import ordered_map
+from shardprep.images.shards import shard_downloads
 from shardprep.keys import compute_key, shard_key
 from shardprep.storage import join, remove, write_bytes, write_parquet
 from shardprep.tars import TarWriter
@@ -255,15 +255,12 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     status_dict: Counter = Counter()
     bytes_downloaded = 0
     items = _row_items(values, cfg.video_clip_col)
-    threads = cfg.video_thread_count
     try:
-        # any exception in here (an interrupt, an abort) drops the tar and, closing the results, aborts
-        # the downloads in flight (see image_shards.write_image_shard)
+        # any exception in here (an interrupt, an abort) drops the tar and, closing the results, abandons
+        # the downloads in flight
         with (TarWriter(tar_url, remove_stale=True) as tar,
-              closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort)) as results):
+              closing(shard_downloads(work, items, cfg.video_thread_count, pool, shard)) as results):
             for i, outcome in enumerate(results):
-                if pool.aborted:  # the outcomes are no longer the URLs' own: none may be recorded
-                    raise abandoned_shard(shard)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 bytes_downloaded += outcome.nbytes
@@ -283,8 +280,6 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                         caption = values["caption"][i]
                         members["txt"] = str(caption) if caption is not None else ""
                     tar.add(sample["key"], members)
-    except DownloadsAborted:  # fetch's own says which pool, not which shard
-        raise abandoned_shard(shard) from None
     finally:
         pool.clear()
 
