@@ -13,13 +13,14 @@ from typing import Any, Callable
 import dagster as dg
 from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
+from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
 from shardprep.ledger import shard_media
 from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
 from shardprep.verify import file_sizes
-from shardprep.versions import stamped_version, write_stamp
+from shardprep.versions import read_stamp, remove_stamp, stamped_version, write_stamp
 from shardprep_dagster.assets.partitions import shard_partitions
 from shardprep_dagster.resources.dataset import DatasetResource
 
@@ -140,6 +141,7 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     failures: dict[str, str] = {}
     media = ARTIFACTS[artifact].media
     kinds = shard_media(layout, keys) if media is not None else {}
+    state.record_started(layout, artifact, [k for k in keys if kinds.get(k, media) == media])
     for key in keys:
         if kinds.get(key, media) != media:
             results[key] = {"status": f"not applicable ({kinds[key]} shard)", "media": kinds[key]}
@@ -148,15 +150,24 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
             # finds the outputs complete (local roots; on object stores Dagster's queue keeps them apart)
             with lock(layout.root, lock_name(artifact, key)):
-                if not rebuild and stamped_version(layout, artifact, key) == version:
+                stamp = None if rebuild else read_stamp(layout, artifact, key)
+                if stamp is not None and stamp["version"] == version:
                     results[key] = {"status": "cached", **(describe(key) if describe else {})}
+                    # again: a process killed between the stamp and its journal entry left it out
+                    state.record_done(layout, artifact, key, version, stamp.get("outputs", {}),
+                                      stamp.get("written_at") or 0.0)
                 else:
+                    if stamp is not None or rebuild:
+                        # the outputs are about to change: not complete at any version until the new
+                        # stamp (a crash mid-write must not leave them claimed at the old one)
+                        remove_stamp(layout, artifact, key)
                     results[key] = write(key)
                     # last: the outputs are complete; their sizes let `verify` find one cut short later
                     write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
         except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
             context.log.error(f"shard {key}: {type(e).__name__}: {e}")
             failures[key] = f"{type(e).__name__}: {e}"
+            state.record_failed(layout, artifact, key, failures[key])
     if failures:
         # the shards of a batch that succeeded are materialized all the same, so their downstream
         # assets go ahead; only the failed ones wait for a re-run
@@ -189,8 +200,12 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
 
 def versioned(dataset: DatasetResource, artifact: str, result: dg.MaterializeResult) -> dg.MaterializeResult:
     """``result`` with the artifact's version (``shardprep.versions``) as its data version, which
-    ``orchestration.plan`` compares with the config's to find outdated outputs."""
-    return result._replace(data_version=dg.DataVersion(dataset.versions[artifact]))
+    ``orchestration.plan`` compares with the config's to find outdated outputs; its stamp (the state
+    index shows it), unless the asset wrote one at this version already."""
+    version = dataset.versions[artifact]
+    if stamped_version(dataset.layout, artifact) != version:
+        write_stamp(dataset.layout, artifact, version)
+    return result._replace(data_version=dg.DataVersion(version))
 
 
 @contextlib.contextmanager

@@ -56,14 +56,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
-def _verify(config: str, mark: bool):
-    from shardprep.config import load_config
+def _verify(config: str, mark: bool, rebuild_index: bool = False):
+    from shardprep.config import config_url, load_config
     from shardprep_dagster.orchestration.instance import get_instance
     from shardprep_dagster.orchestration.verify import verify_dataset
-    from shardprep_dagster.resources.dataset import config_url
 
     load_config(config_url(config))  # a bad config is named before the instance is opened
-    report = verify_dataset(config, get_instance(), mark=mark)
+    report = verify_dataset(config, get_instance(), mark=mark, rebuild_index=rebuild_index)
     print(report.summary())
     return report
 
@@ -72,7 +71,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from shardprep.errors import ShardprepError
 
     try:
-        report = _verify(args.config, mark=not args.no_mark)
+        report = _verify(args.config, mark=not args.no_mark, rebuild_index=args.rebuild_index)
     except ShardprepError as e:
         print(f"shardprep verify: {e}", file=sys.stderr)
         return 2
@@ -146,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                             "them so the next run repairs them (exit 1 if any)")
     verify.add_argument("--config", required=True, help="dataset config YAML")
     verify.add_argument("--no-mark", action="store_true", help="only report, mark nothing for re-materialization")
+    verify.add_argument("--rebuild-index", action="store_true",
+                        help="make the state index (what `status` reads) again from the stamps")
     verify.set_defaults(func=cmd_verify)
     reshard = sub.add_parser("reshard", help="re-shard a source file rewritten after registration: shards whose "
                              "rows changed are redone by the next run, the others kept")

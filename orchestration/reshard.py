@@ -11,11 +11,10 @@ from typing import Sequence
 import dagster as dg
 
 from shardprep.artifacts import PER_SHARD
-from shardprep.config import load_config
+from shardprep.config import config_url, load_config
 from shardprep.layout import Layout
 from shardprep.ledger import ReshardResult, reshard_source
 from shardprep_dagster.orchestration.invalidate import invalidate
-from shardprep_dagster.resources.dataset import config_url
 
 PARTITION_ADD_CHUNK = 10_000  # dynamic partitions added per call
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dagster as dg
 
+from shardprep import state
+from shardprep.config import config_url
+from shardprep.layout import Layout
 from shardprep.ledger import Registration, register_sources
 from shardprep_dagster.assets.partitions import SHARD_PARTITIONS
 from shardprep_dagster.orchestration.instance import get_instance, instance_lock
 from shardprep_dagster.orchestration.plan import Plan
 from shardprep_dagster.orchestration.recovery import recover_dead_runs
 from shardprep_dagster.orchestration.summary import RunSummary, finish
-from shardprep_dagster.resources.dataset import config_url, load_dataset
+from shardprep_dagster.resources.dataset import load_dataset
 
 
 def register_partitions(instance: dg.DagsterInstance, keys: list[str], chunk: int = 10_000) -> int:
@@ -70,6 +73,7 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
     # a bad config or source is named before the instance is opened (nothing to recover for it)
     cfg, _ = load_dataset(config_path)
     registration = register_sources(cfg, config_path=config_path)
+    state.ensure(Layout(cfg.output_root))
     instance = instance or get_instance()
     recover_dead_runs(instance)
     plan = make_plan(config_path, instance, rebuild, registration=registration)
@@ -84,6 +88,8 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
         from shardprep_dagster.orchestration.queued import execute
 
         execute(plan, instance, summary, progress)
+    # the run's changes into the state index's tables, so `status` finds a short journal
+    state.fold(Layout(cfg.output_root))
     return finish(plan, instance, summary)
 
 

@@ -1,31 +1,36 @@
-"""`shardprep status`: per asset, how many shards are materialized, failed or missing (unpartitioned
-assets: materialized or not, and when), read from the Dagster instance at $DAGSTER_HOME."""
+"""`shardprep status`: per asset, how many shards are materialized, outdated, failed, in progress or
+missing (unpartitioned assets: materialized or not, and when), read from the output root's state index
+(``shardprep.state``): a handful of files whatever the number of shards, and no Dagster import, no query
+of the instance per partition.
+
+A shard counts as failed for an asset when its last attempt at that asset failed, or when an upstream
+asset's did and this one is not complete at the current version (it waits for the upstream shard), as
+Dagster's UI shows a run's skipped downstream steps."""
 
 from __future__ import annotations
 
 import datetime
-from collections import Counter
 from dataclasses import dataclass
 
-import dagster as dg
-from dagster._core.definitions.partitions.context import partition_loading_context
-from dagster._core.instance.types import CachingDynamicPartitionsLoader
-from dagster._core.storage.partition_status_cache import AssetStatusCacheValue, get_and_update_asset_status_cache_value
-
-from shardprep_dagster.orchestration.plan import current_partitions, latest_version
-from shardprep_dagster.resources.dataset import config_url
+from shardprep import state
+from shardprep.artifacts import ARTIFACTS, enabled
+from shardprep.config import config_url, load_config
+from shardprep.layout import Layout
+from shardprep.ledger import load_ledger, media_of
+from shardprep.storage import pid_alive
+from shardprep.versions import ALL_SHARDS, artifact_versions
 
 
 @dataclass(frozen=True)
 class AssetStatus:
     asset: str
     partitioned: bool
-    total: int = 0  # partitions (shards) registered
+    total: int = 0  # shards registered that the asset applies to (its media)
     materialized: int = 0
-    failed: int = 0  # last attempt failed (materialized earlier or not)
+    failed: int = 0  # last attempt failed, or an upstream shard's did (materialized earlier or not)
     in_progress: int = 0
     outdated: int = 0  # materialized, but at another version than the config's (will be redone)
-    last_materialized: float | None = None  # timestamp of the latest materialization (any partition)
+    last_materialized: float | None = None  # when its latest output was completed (any shard)
     last_failed: float | None = None  # unpartitioned: a failure after the latest materialization
 
     @property
@@ -42,61 +47,67 @@ class AssetStatus:
         return "materialized" if self.last_materialized is not None else "missing"
 
 
-def _entry(instance: dg.DagsterInstance, key: dg.AssetKey):
-    records = instance.get_asset_records([key])
-    return records[0].asset_entry if records else None
+def _running(worker: str) -> bool:
+    """Whether the process that started a shard may still be at it: on this host, while its pid lives;
+    on another host, until its outcome is recorded."""
+    host, _, pid = worker.rpartition(":")
+    return host != state.worker().rpartition(":")[0] or not pid.isdigit() or pid_alive(int(pid))
 
 
-def _status_by_partition(instance: dg.DagsterInstance, key: dg.AssetKey, keys: list[str],
-                         pdef: dg.PartitionsDefinition, loader: CachingDynamicPartitionsLoader) -> dict:
-    """``instance.get_status_by_partition(key, keys, pdef)``, computed the same way but with the shard keys
-    read once for every asset: Dagster's own call reads all of them twice per asset (their hash is the
-    partitions definition's id), which at 100,000 shards cost more than the statuses themselves."""
-    value = get_and_update_asset_status_cache_value(instance, key, pdef, dynamic_partitions_loader=loader)
-    if not isinstance(value, AssetStatusCacheValue):
-        return {}
-    with partition_loading_context(dynamic_partitions_store=loader):
-        in_progress = value.deserialize_in_progress_partition_subsets(pdef)
-        failed = value.deserialize_failed_partition_subsets(pdef)
-        materialized = value.deserialize_materialized_partition_subsets(pdef)
-    st = dg.AssetPartitionStatus  # the order of Dagster's own call: in progress, failed, materialized
-    return {k: st.IN_PROGRESS if k in in_progress else st.FAILED if k in failed else
-            st.MATERIALIZED if k in materialized else None for k in keys}
+def _shard_status(name: str, st: state.ArtifactState, keys: list[str], version: str,
+                  upstream_failed: set[str]) -> AssetStatus:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = st.table
+    t = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(keys, pa.string())))
+    versions = t.column("version")
+    current = t.filter(pc.fill_null(pc.equal(versions, version), False))
+    other = t.filter(pc.fill_null(pc.not_equal(versions, version), False))
+    current_keys = set(current.column("shard").to_pylist())
+    failed = {s for s in st.failures() if s not in current_keys} | (upstream_failed - current_keys)
+    failed &= set(keys) if failed else set()
+    running = {s for s, (_, who) in st.started().items() if _running(who)} - failed
+    other_keys = set(other.column("shard").to_pylist())
+    written = current.column("written_at").to_pylist() + other.column("written_at").to_pylist()
+    return AssetStatus(name, True, total=len(keys),
+                       materialized=len(current_keys - failed - running),
+                       outdated=len(other_keys - failed - running),
+                       failed=len(failed), in_progress=len(running & set(keys)),
+                       last_materialized=max((w for w in written if w is not None), default=None))
 
 
-def asset_statuses(instance: dg.DagsterInstance, defs: dg.Definitions) -> list[AssetStatus]:
-    """One status per materializable asset of ``defs``, in dependency order; with versioned assets
-    (a code location built for a config), a materialization at another version counts as outdated."""
-    graph = defs.resolve_asset_graph()
-    loader = CachingDynamicPartitionsLoader(instance)  # the shard keys, read once for all assets
+def asset_statuses(config_path: str) -> list[AssetStatus]:
+    """One status per asset the config enables, in dependency order."""
+    cfg = load_config(config_url(config_path))
+    layout = Layout(cfg.output_root)
+    versions = artifact_versions(cfg)
+    names = [a for a in ARTIFACTS if enabled(a, cfg)]
+    ledger = load_ledger(layout)
+    by_media: dict[str, list[str]] = {"image": [], "video": []}
+    for entry in ledger.files if ledger else []:
+        by_media[media_of(entry)].extend(s.key for s in ledger.file_shards(entry))
+    try:
+        states = state.load(layout, names)
+    except OSError:  # a root this process may not write: the journal is applied in memory
+        states = state.load(layout, names, fold_first=False)
+    failed_by: dict[str, set[str]] = {}
     out = []
-    for key in graph.toposorted_asset_keys:
-        node = graph.get(key)
-        if not node.is_materializable:
+    for name in names:
+        record, st = ARTIFACTS[name], states[name]
+        if not record.partitioned:
+            r = st.row(ALL_SHARDS) or {}
+            done = r.get("version") is not None
+            failed_after = r.get("failure") is not None and (r.get("failed_at") or 0) > (r.get("written_at") or 0)
+            out.append(AssetStatus(name, False, last_materialized=r.get("written_at") if done else None,
+                                   outdated=int(done and r["version"] != versions[name]),
+                                   last_failed=r.get("failed_at") if failed_after else None))
             continue
-        entry = _entry(instance, key)
-        last_mat = entry.last_materialization.timestamp if entry and entry.last_materialization else None
-        pdef = node.partitions_def
-        if pdef is None:
-            failed_after = None
-            if entry and entry.last_failed_to_materialize_record is not None and (
-                    entry.last_materialization_storage_id is None
-                    or entry.last_failed_to_materialize_storage_id > entry.last_materialization_storage_id):
-                failed_after = entry.last_failed_to_materialize_entry.timestamp
-            version = node.code_version
-            outdated = int(last_mat is not None and version is not None and latest_version(instance, key) != version)
-            out.append(AssetStatus(key.to_user_string(), False, last_materialized=last_mat,
-                                   last_failed=failed_after, outdated=outdated))
-            continue
-        keys = list(pdef.get_partition_keys(dynamic_partitions_store=loader))
-        by_status = _status_by_partition(instance, key, keys, pdef, loader)
-        current = current_partitions(instance, key, node.code_version)
-        outdated = sum(1 for k, v in by_status.items() if v == dg.AssetPartitionStatus.MATERIALIZED and k not in current)
-        counts = Counter(by_status.values())
-        out.append(AssetStatus(key.to_user_string(), True, total=len(keys), outdated=outdated,
-                               materialized=counts[dg.AssetPartitionStatus.MATERIALIZED] - outdated,
-                               failed=counts[dg.AssetPartitionStatus.FAILED],
-                               in_progress=counts[dg.AssetPartitionStatus.IN_PROGRESS], last_materialized=last_mat))
+        keys = [k for m, ks in by_media.items() if record.applies(m) for k in ks]
+        upstream = set().union(*(failed_by.get(p, set()) for p in record.parents))
+        s = _shard_status(name, st, keys, versions[name], upstream)
+        failed_by[name] = set(st.failures()) | upstream
+        out.append(s)
     return out
 
 
@@ -128,30 +139,11 @@ def format_status(statuses: list[AssetStatus]) -> str:
     return "\n".join([line(header), *(line(r) for r in rows)])
 
 
-def load_defs(config_path: str | None) -> dg.Definitions:
-    """The code location's definitions (for ``config_path`` when given: only the asset graph matters
-    here, so any config of the dataset does)."""
-    import warnings
-
-    with warnings.catch_warnings():  # beta/preview notices of the asset definitions: noise in a terminal
-        warnings.simplefilter("ignore", dg.BetaWarning)
-        warnings.simplefilter("ignore", dg.PreviewWarning)
-        if config_path:
-            from shardprep_dagster.definitions import build_defs
-
-            return build_defs(config_url(config_path))
-        from shardprep_dagster.definitions import defs
-
-        return defs
-
-
 def media_note(config_path: str) -> str:
     """A line saying how many shards are image and video shards, when there are video shards (each
     per-shard asset is materialized for both kinds; one of them only says "not applicable")."""
-    from shardprep.artifacts import ARTIFACTS
-    from shardprep.config import ConfigError, load_config
-    from shardprep.layout import Layout
-    from shardprep.ledger import load_ledger, media_of
+    from shardprep.config import ConfigError
+    from shardprep.ledger import media_of
 
     try:
         ledger = load_ledger(Layout(load_config(config_url(config_path)).output_root))
@@ -165,11 +157,10 @@ def media_note(config_path: str) -> str:
             f"video shards only: {only['video']} (the other kind is materialized as not applicable)")
 
 
-def status(config_path: str | None = None, instance: dg.DagsterInstance | None = None) -> str:
-    from shardprep_dagster.orchestration.instance import get_instance
+def status(config_path: str | None = None) -> str:
     from shardprep_dagster.resources.settings import load_settings
 
-    instance = instance or get_instance()
-    table = format_status(asset_statuses(instance, load_defs(config_path)))
-    note = media_note(config_path or load_settings().config)
+    config_path = config_path or load_settings().config
+    table = format_status(asset_statuses(config_path))
+    note = media_note(config_path)
     return table + ("\n\n" + note if note else "")

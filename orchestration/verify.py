@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
+from shardprep import state
 from shardprep.artifacts import ARTIFACTS, GLOBALS
-from shardprep.config import load_config
+from shardprep.config import config_url, load_config
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.verify import Problem, verify_global, verify_shard
 from shardprep.versions import artifact_versions, remove_stamp
 from shardprep_dagster.orchestration.invalidate import invalidate
 from shardprep_dagster.orchestration.plan import current_partitions, latest_version
-from shardprep_dagster.resources.dataset import config_url
 
 THREADS = 16  # reading is I/O bound (object stores: one request per file or header range)
 REBUILT_WHEN_BROKEN = ("balanced_shards", "precached_encodings")
@@ -37,6 +37,8 @@ class VerifyReport:
     checked: dict[str, int] = field(default_factory=dict)  # asset -> shards (or 1) verified
     problems: list[Problem] = field(default_factory=list)
     marked: bool = False
+    index_diffs: dict[str, list[str]] = field(default_factory=dict)  # asset -> shards the state index had wrong
+    index_rebuilt: bool = False
 
     @property
     def ok(self) -> bool:
@@ -60,12 +62,18 @@ class VerifyReport:
                             if self.marked else "pair(s) (not marked)"))
         else:
             lines.append("every output is complete")
+        differ = sum(map(len, self.index_diffs.values()))
+        lines.append(f"state index: {differ} entr{'y' if differ == 1 else 'ies'} differed from the stamps"
+                     + ("; rebuilt from the stamps" if self.index_rebuilt else "") if differ else
+                     "state index: rebuilt from the stamps" if self.index_rebuilt else "state index: mirrors the stamps")
         return "\n".join(lines)
 
 
-def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = True) -> VerifyReport:
+def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = True,
+                   rebuild_index: bool = False) -> VerifyReport:
     """Verify every materialized (asset, shard) of the config's enabled assets; with ``mark``, invalidate
-    the broken ones so the next run redoes them (and nothing else)."""
+    the broken ones so the next run redoes them (and nothing else). The state index is compared with
+    the stamps and made again from them when it differs (with ``mark``) or when asked."""
     from shardprep_dagster.definitions import build_defs
 
     config_path = config_url(config_path)
@@ -94,6 +102,10 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
                 report.checked[name] = 1
     if mark:
         _mark(instance, layout, report)
+    report.index_diffs = state.stamps_equal_index(layout, [a for a in ARTIFACTS if a in versions])
+    if rebuild_index or (mark and report.index_diffs):
+        state.rebuild(layout)
+        report.index_rebuilt = True
     return report
 
 

@@ -19,12 +19,6 @@ def _load(path: str, stamp: tuple[int, str]) -> tuple[DatasetConfig, dict[str, s
     return cfg, artifact_versions(cfg)
 
 
-def config_url(path: str) -> str:
-    """The config's location as runs carry it: a local path made absolute (the run may execute in
-    another directory), a URL (``s3://...``: workers on other machines read the same file) as it is."""
-    return os.path.abspath(path) if "://" not in path else path
-
-
 def load_dataset(path: str) -> tuple[DatasetConfig, dict[str, str]]:
     """The config at ``path`` and its artifact versions, read again whenever the file changes (a
     long-lived code server sees an edited config without a restart)."""

@@ -8,6 +8,7 @@ given and what is allowed (and the file).
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
@@ -362,3 +363,9 @@ def load_config(path: str) -> DatasetConfig:
         raise ConfigError(f"{path}: " + _field_error("output_root", f"{cfg.output_root!r}, an existing file",
                                                        "a folder (existing or not)"))
     return cfg
+
+
+def config_url(path: str) -> str:
+    """The config's location as runs carry it: a local path made absolute (the run may execute in
+    another directory), a URL (``s3://...``: workers on other machines read the same file) as it is."""
+    return os.path.abspath(path) if "://" not in path else path

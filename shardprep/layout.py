@@ -176,3 +176,19 @@ class Layout:
     # bookkeeping: which version each finished output was made with (shardprep.versions)
     def stamp(self, artifact: str, shard: str) -> str:
         return self._join(".shardprep", "stamps", artifact, f"{shard}.json")
+
+    def stamps_dir(self, artifact: str) -> str:
+        return self._join(".shardprep", "stamps", artifact)
+
+    # the state index: every stamp of an artifact in one table, plus a journal of changes not yet folded
+    # in (shardprep.state)
+    @property
+    def state_dir(self) -> str:
+        return self._join(".shardprep", "state")
+
+    def state_table(self, artifact: str) -> str:
+        return self._join(".shardprep", "state", f"{artifact}.parquet")
+
+    @property
+    def state_journal(self) -> str:
+        return self._join(".shardprep", "state", "journal")

@@ -16,10 +16,11 @@ import hashlib
 import json
 import time
 
+from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
 from shardprep.layout import Layout
-from shardprep.storage import read_text, remove, write_bytes
+from shardprep.storage import exists, read_text, remove, write_bytes
 
 ALL_SHARDS = "_all"  # the stamp "shard" of an unpartitioned artifact
 
@@ -49,9 +50,15 @@ def write_stamp(layout: Layout, artifact: str, version: str, shard: str = ALL_SH
                 outputs: dict[str, int] | None = None) -> None:
     """Record that ``artifact``'s outputs of ``shard`` are complete at ``version`` (write it last);
     ``outputs``: ``{url: size}`` of the files written, for ``verify``."""
+    before = read_stamp(layout, artifact, shard)
+    if before is not None and before["version"] != version:
+        # a stamp replaced at another version: if this process dies between the stamp and the journal,
+        # the index must not keep claiming the old version (see state)
+        state.record_removed(layout, artifact, shard)
     doc = {"artifact": artifact, "shard": shard, "version": version, "written_at": time.time(),
            "outputs": outputs or {}}
     write_bytes(layout.stamp(artifact, shard), json.dumps(doc).encode("utf-8"))
+    state.record_done(layout, artifact, shard, version, doc["outputs"], doc["written_at"])  # after: see state
 
 
 def read_stamp(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> dict | None:
@@ -95,8 +102,12 @@ def restamp_sizes(layout: Layout, artifact: str, shard: str, sizes: dict[str, in
         return
     doc["outputs"] = {**doc.get("outputs", {}), **{u: s for u, s in sizes.items() if u in doc.get("outputs", {})}}
     write_bytes(layout.stamp(artifact, shard), json.dumps(doc).encode("utf-8"))
+    state.record_done(layout, artifact, shard, doc["version"], doc["outputs"], doc.get("written_at") or 0.0)
 
 
 def remove_stamp(layout: Layout, artifact: str, shard: str = ALL_SHARDS) -> bool:
     """Forget that the outputs are complete (they will be made again); True if there was a stamp."""
+    if not exists(layout.stamp(artifact, shard)):
+        return False
+    state.record_removed(layout, artifact, shard)  # before: the index never claims more than the stamps
     return remove(layout.stamp(artifact, shard))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.configs import CHECKOUT
 
 DAGSTER_SIDE = {"dagster", "dagster_webserver", "dagster_postgres", "dagster_celery", "celery", "shardprep_dagster",
@@ -124,6 +126,27 @@ def test_the_shardprep_command_is_the_dagster_sides():
     assert "shardprep_dagster.orchestration.cli" in script.read_text()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0 and "reshard" in out.stdout
+
+
+HEAVY = ("dagster", "torch", "transformers", "faiss", "av", "cv2")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"], ["status"]])
+def test_status_and_help_import_no_dagster_and_no_engine(tmp_path, argv):
+    """`shardprep status` reads the state index (shardprep.state); it and the help texts never import
+    Dagster, torch, transformers, faiss, PyAV or OpenCV (issue 20, item 7)."""
+    (tmp_path / "c.yaml").write_text(f"source: {tmp_path}/none/*.parquet\noutput_root: {tmp_path}/out\n")
+    if argv == ["status"]:
+        argv = ["status", "--config", str(tmp_path / "c.yaml")]
+    code = ("import sys\nfrom shardprep_dagster.orchestration.cli import main\n"
+            f"try:\n    code = main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
+            f"loaded = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+            "print('LOADED', loaded, code)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] in ("LOADED [] 0", "LOADED [] None"), out.stdout[-2000:]
+    if argv[0] == "status":
+        assert "image_shards" in out.stdout and not (tmp_path / "out").exists()  # shown, nothing written
 
 
 LAYERS = {"shardprep": 0, "resources": 1, "assets": 2, "sensors": 3, "definitions": 4, "orchestration": 5}

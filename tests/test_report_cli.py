@@ -198,7 +198,7 @@ def run(tmp_path_factory, image_site, tiny_clip_dir):
     dataset = DatasetResource(config_path=config)
     defs = dg.Definitions(assets=[source_parquet, image_shards, clip_embeddings, reordered_embeddings,
                                   dataset_report], resources={"dataset": dataset, "clip": ClipResource(dataset=dataset)})
-    before_report = {s.asset: s for s in asset_statuses(instance, defs)}  # nothing run yet
+    before_report = {s.asset: s for s in asset_statuses(config)}  # nothing run yet
     summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
     # a new source file registered (as the sensor does) but not run yet: shard 00004 is missing everywhere
     synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[15], n_images=120, seed=9,
@@ -308,7 +308,7 @@ def test_status_counts_materialized_failed_and_missing(run):
     # unpartitioned: missing before the report was made, materialized (with its time) after
     before = run["before_report"]["dataset_report"]
     assert not before.partitioned and before.state == "missing"
-    after = {s.asset: s for s in asset_statuses(run["instance"], run["defs"])}
+    after = {s.asset: s for s in asset_statuses(run["config"])}
     assert after["dataset_report"].state == "materialized" and after["dataset_report"].last_materialized
     assert after["image_shards"].materialized == 3 and after["image_shards"].missing == 1
     assert after["image_shards"].failed == 1

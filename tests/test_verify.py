@@ -80,7 +80,24 @@ def test_verify_names_each_broken_output_and_run_repairs_only_those(done):
     assert per_shard == {("image_shards", "00001"), ("image_shards", "00002"), ("clip_embeddings", "00000")}
     assert [s["__key__"] for s in wds.WebDataset(str(tar), shardshuffle=False)] == good_keys
     assert np.load(layout.img_emb("00000")).shape[0] > 0
-    assert verify_dataset(config, instance).ok
+    again = verify_dataset(config, instance)
+    assert again.ok
+    # the state index mirrors every stamp after the runs, the repair included (version, time, sizes)
+    assert clean.index_diffs == {} and again.index_diffs == {} and not again.index_rebuilt
+    assert "state index: mirrors the stamps" in again.summary()
+
+
+def test_verify_rebuilds_a_state_index_that_differs_from_the_stamps(done):
+    config, layout, instance, home = done
+    table = Path(layout.state_table("clip_embeddings"))
+    table.unlink()  # lost: the index no longer says clip_embeddings is complete anywhere
+    assert verify_dataset(config, instance, mark=False).index_diffs == {"clip_embeddings": ["00000", "00001", "00002"]}
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    out = subprocess.run([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "verify", "--config", config,
+                          "--no-mark", "--rebuild-index"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "state index: 3 entries differed from the stamps; rebuilt from the stamps" in out.stdout
+    assert table.exists() and verify_dataset(config, instance, mark=False).index_diffs == {}
 
 
 def test_verify_cli_reports_without_marking(done):

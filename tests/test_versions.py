@@ -152,14 +152,13 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
 
 
 def test_outdated_partitions_show_in_status(dataset):
-    from shardprep_dagster.definitions import build_defs
     from shardprep_dagster.orchestration.status import asset_statuses, format_status
 
     path, fields = dataset
     with dg.instance_for_test() as instance:
         assert run_pipeline(write_config(path, **fields), instance=instance, progress=False, in_process=True).ok
         write_config(path, **{**fields, "clip_model": fields["clip_model"] + "/"})  # same model, new spelling
-        statuses = {s.asset: s for s in asset_statuses(instance, build_defs(str(path)))}
+        statuses = {s.asset: s for s in asset_statuses(str(path))}
         assert statuses["clip_embeddings"].outdated == 2 and statuses["clip_embeddings"].materialized == 0
         assert statuses["image_shards"].outdated == 0 and statuses["image_shards"].materialized == 2
         assert statuses["dataset_report"].state == "outdated"

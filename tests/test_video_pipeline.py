@@ -162,7 +162,7 @@ def test_images_and_videos_share_one_partition_set_and_one_energon_dataset(datas
     # `shardprep status` says which shards are which
     from shardprep_dagster.orchestration.status import status
 
-    assert status(config, instance).splitlines()[-1].startswith("shards: 2 image, 1 video. Image shards only: ")
+    assert status(config).splitlines()[-1].startswith("shards: 2 image, 1 video. Image shards only: ")
 
 
 def test_a_rerun_does_nothing_and_a_video_setting_redoes_only_video_outputs(dataset, instance):
