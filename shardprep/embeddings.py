@@ -7,8 +7,8 @@ the sample json flattened), rows in tar order and aligned 1:1 — what clip-retr
 
 Throughput (issue 5, bench/RESULTS.md): tars are read by ``shardprep.tars``' direct 512-byte-header
 parser (``tarfile`` for compressed ones), samples are decoded, preprocessed and tokenised in a thread
-pool while the model encodes the previous step (``encoders`` module doc for the fast preprocess), and
-on CPU the cores are split between decoding and torch.
+pool while the model encodes the previous step (``shardprep.encode.prepared_ahead``; ``encoders`` module
+doc for the fast preprocess), and on CPU the cores are split between decoding and torch.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import io
 import json
 import os
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from shardprep.encode import batched, finish, input_missing, positive_int, prepared_ahead
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
-from shardprep.storage import atomic_write, exists, remove, write_npy
+from shardprep.storage import atomic_write, remove, write_npy
 from shardprep.tars import iter_samples
 
 if TYPE_CHECKING:
@@ -60,23 +59,24 @@ def _image_ext(sample: dict) -> str | None:
 
 
 def _prepare(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, out=None) -> dict:
-    """Decode + preprocess + tokenise one sample (runs in a worker thread); errors become a skip record.
+    """Decode + preprocess + tokenise one sample (runs in a worker thread); errors become a skip record
+    ``{"key", "reason"}``.
 
     ``out``: the sample's row of the batch's image buffer (fast preprocessing writes there)."""
     key = sample["__key__"]
     ext = _image_ext(sample)
     if ext is None:
-        return {"key": key, "skip": "no image member (" + "/".join(IMAGE_EXTS) + ")"}
+        return {"key": key, "reason": "no image member (" + "/".join(IMAGE_EXTS) + ")"}
     if enable_text and "txt" not in sample:
-        return {"key": key, "skip": "no .txt caption"}
+        return {"key": key, "reason": "no .txt caption"}
     try:
         caption = sample["txt"].decode("utf-8") if "txt" in sample else None
     except UnicodeDecodeError as e:
-        return {"key": key, "skip": f"caption is not UTF-8: {e}"}
+        return {"key": key, "reason": f"caption is not UTF-8: {e}"}
     try:
         image = encoder.prepare_image(sample[ext], out)
     except Exception as e:  # a bad image is a recorded skip, never a crash (clip-retrieval skips too)
-        return {"key": key, "skip": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
+        return {"key": key, "reason": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
     raw_meta = sample.get("json", b"{}").decode("utf-8")
     try:
         meta = json.loads(raw_meta)
@@ -88,16 +88,6 @@ def _prepare(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, 
     # rows are independent, so one row at a time gives the batch's ids
     tokens = encoder.tokenizer([caption]) if enable_text else None
     return {"key": key, "image": image, "caption": caption, "meta": meta, "tokens": tokens}
-
-
-def _prepare_chunk(samples: list[dict], start: int, buffer, encoder: "ClipEncoder", enable_text: bool,
-                   url: str) -> list[dict]:
-    out = []
-    for slot, sample in enumerate(samples, start):
-        item = _prepare(sample, encoder, enable_text, url, None if buffer is None else buffer[slot])
-        item["slot"] = slot
-        out.append(item)
-    return out
 
 
 def _cores() -> int:
@@ -135,10 +125,8 @@ def metadata_frame(keys: list[str], captions: list[str] | None, metas: list[dict
     return df.join(parsed)
 
 
-def _remove_outputs(layout: Layout, shard: str) -> None:
-    # a shard that now has no samples must not keep embeddings from an earlier run
-    for url in (layout.img_emb(shard), layout.text_emb(shard), layout.emb_metadata(shard)):
-        remove(url)
+def _outputs(layout: Layout, shard: str) -> tuple[str, str, str]:
+    return layout.img_emb(shard), layout.text_emb(shard), layout.emb_metadata(shard)
 
 
 @contextmanager
@@ -162,15 +150,12 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
     """Embed every sample of ``layout.tar(shard)`` with ``encoder`` and write the
     clip-retrieval files for that shard. A missing or sample-less tar writes nothing (and removes
     stale outputs), like clip-retrieval, whose writer skips empty partitions."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    positive_int("batch_size", batch_size)
     start = time.perf_counter()
     tar_url = layout.tar(shard)
     report = EmbeddingReport(shard=shard, samples=0, dim=encoder.dim, seconds=0.0)
-    if not exists(tar_url):
-        _remove_outputs(layout, shard)
-        report.seconds = time.perf_counter() - start
-        return report
+    if input_missing(tar_url, *_outputs(layout, shard)):
+        return finish(report, start)
 
     keys: list[str] = []
     captions: list[str] = []
@@ -181,26 +166,23 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
 
     step = batch_size if encoder.device != "cpu" else min(batch_size, CPU_STEP)
 
-    def batches() -> Iterator[list[dict]]:
-        batch: list[dict] = []
-        for sample in iter_samples(tar_url):
-            batch.append(sample)
-            if len(batch) == step:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
+    def steps() -> Iterator[list[dict]]:
+        nonlocal seen_captions
+        for raw in batched(iter_samples(tar_url), step):
+            seen_captions = seen_captions or any("txt" in s for s in raw)
+            yield raw
 
-    def run(buffer, futures) -> None:
-        ready = []
-        for fut in futures:
-            for item in fut.result():
-                if "skip" in item:
-                    report.skipped.append({"key": item["key"], "reason": item["skip"]})
-                    continue
-                ready.append(item)
-        if not ready:
-            return
+    # Fast preprocessing writes into two reused batch buffers (fresh ones per step cost page faults):
+    # step n is prepared into buffer n % 2 while the model encodes step n - 1 from the other one.
+    buffers = [encoder.new_image_buffer(step) for _ in range(2)] if encoder.fast_preprocess else [None, None]
+
+    def prepare(sample: dict, n: int, slot: int) -> dict:
+        buffer = buffers[n % 2]
+        item = _prepare(sample, encoder, enable_text, tar_url, None if buffer is None else buffer[slot])
+        item["slot"] = slot
+        return item
+
+    def encode(ready: list[dict], buffer) -> None:
         if buffer is None:
             images = [it["image"] for it in ready]
         else:
@@ -216,34 +198,24 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
         keys.extend(it["key"] for it in ready)
         metas.extend(it["meta"] for it in ready)
 
-    # decode+preprocess of the next batch runs in threads while the model encodes the current one
-    # (PIL, OpenCV and torch release the GIL for the heavy parts). Fast preprocessing writes into
-    # two reused batch buffers (fresh ones per batch cost page faults): one is filled while the
-    # other is encoded.
-    buffers = [encoder.new_image_buffer(step) for _ in range(2)] if encoder.fast_preprocess else [None, None]
+    # decode+preprocess of the next step runs in threads while the model encodes the current one
+    # (PIL, OpenCV and torch release the GIL for the heavy parts)
     decode_threads, torch_threads = thread_split(encoder.device)
-    with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="clip-prep") as pool, \
-            _torch_threads(torch_threads):
-        pending: deque = deque()
-        for n, raw in enumerate(batches()):
-            seen_captions = seen_captions or any("txt" in s for s in raw)
-            buffer = buffers[n % 2]
-            pending.append((buffer, [pool.submit(_prepare_chunk, raw[i:i + _CHUNK], i, buffer, encoder,
-                                                 enable_text, tar_url) for i in range(0, len(raw), _CHUNK)]))
-            if len(pending) > 1:
-                run(*pending.popleft())
-        while pending:
-            run(*pending.popleft())
+    prepared = prepared_ahead(steps(), prepare, part=_CHUNK, threads=decode_threads, failures=report.skipped)
+    with _torch_threads(torch_threads), closing(prepared):
+        for n, ready in enumerate(prepared):  # a list per step, in order
+            if ready:
+                encode(ready, buffers[n % 2])
 
     if enable_text and report.skipped and not seen_captions:
         raise ShardReadError(
             f"shard {shard}: {tar_url} has no .txt captions, so every sample was skipped; "
             "set enable_text to false for datasets without captions"
         )
-    if not keys:
-        _remove_outputs(layout, shard)
-        report.seconds = time.perf_counter() - start
-        return report
+    if not keys:  # a shard that now has no samples must not keep embeddings from an earlier run
+        for url in _outputs(layout, shard):
+            remove(url)
+        return finish(report, start)
 
     img = np.concatenate(img_chunks)
     arrays = [img] + ([np.concatenate(txt_chunks)] if enable_text else [])
@@ -264,5 +236,4 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
     df.to_parquet(buf)
     with atomic_write(layout.emb_metadata(shard)) as f:
         f.write(buf.getbuffer())
-    report.seconds = time.perf_counter() - start
-    return report
+    return finish(report, start)

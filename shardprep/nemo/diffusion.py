@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardprep.embeddings import IMAGE_EXTS
-from shardprep.images.shards import ordered_map
+from shardprep.encode import encode_tar, finish, input_missing, positive_int
 from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image
-from shardprep.storage import exists, remove
-from shardprep.tars import TarWriter, iter_samples
+from shardprep.tars import TarWriter
 
 if TYPE_CHECKING:
     from shardprep.models.nemo import ImageAutoencoder, T5TextEncoder
@@ -133,19 +132,18 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
     """
     import torch
 
-    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 16 or resolution % 16:
-        raise ValueError(f"diffusion resolution must be a positive multiple of 16, got {resolution!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    positive_int("diffusion resolution", resolution, multiple=16)
+    positive_int("batch_size", batch_size)
     start = time.perf_counter()
     report = DiffusionReport(shard=shard)
     in_url, out_url = layout.tar(shard), layout.diffusion_tar(shard)
-    if not exists(in_url):
-        remove(out_url)
-        report.seconds = time.perf_counter() - start
-        return report
+    if input_missing(in_url, out_url):
+        return finish(report, start)
 
-    def flush(ready: list[dict], out: TarWriter) -> None:
+    def prepare(sample: dict) -> dict:
+        return _prepare(sample, resolution, in_url)
+
+    def encode(ready: list[dict], out: TarWriter) -> None:
         latents = vae.encode(torch.stack([it["tensor"] for it in ready]), output="mean")
         texts = t5.encode([it["caption"] for it in ready])
         for it, lat, txt in zip(ready, latents, texts):
@@ -165,29 +163,12 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
                 ".pickle": pickle.dumps(txt),
                 ".pth": pth_bytes(lat),
             })
-            report.samples += 1
             report.latent_shape = list(lat.shape)
             report.text_dim = int(txt.shape[1])
 
-    # opened at the first success: no empty tar, ever (a stale one is removed)
-    with TarWriter(out_url, remove_stale=True) as out:
-        ready: list[dict] = []
-
-        def prepare(sample: dict) -> dict:
-            return _prepare(sample, resolution, in_url)
-
-        # decoding/resizing of upcoming samples runs in threads while the models encode a batch
-        for item in ordered_map(prepare, iter_samples(in_url), _DECODE_THREADS, 2 * batch_size):
-            report.input_samples += 1
-            if "reason" in item:
-                report.failures.append({"key": item["key"], "reason": item["reason"]})
-                continue
-            ready.append(item)
-            if len(ready) == batch_size:
-                flush(ready, out)
-                ready = []
-        if ready:
-            flush(ready, out)
-    report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
-    report.seconds = time.perf_counter() - start
-    return report
+    # decoding/resizing of upcoming samples runs in threads while the models encode a batch
+    done = encode_tar(in_url, out_url, prepare, encode, batch_size=batch_size, threads=_DECODE_THREADS,
+                      in_flight=2 * batch_size, failures=report.failures)
+    report.input_samples, report.samples = done.read, done.written
+    report.tar_written, report.tar_bytes = done.written > 0, done.tar_bytes
+    return finish(report, start)

@@ -27,18 +27,19 @@ import json
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shardprep import storage
 from shardprep.embeddings import IMAGE_EXTS
+from shardprep.encode import encode_tar, finish, positive_int
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image
 from shardprep.nemo.balanced import tar_digests
 from shardprep.storage import exists
-from shardprep.tars import TarWriter, iter_samples, numbered_tars
+from shardprep.tars import TarWriter, numbered_tars
 
 if TYPE_CHECKING:
     from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder
@@ -64,27 +65,14 @@ class PrecacheReport:
     seconds: float = 0.0
 
 
-def _batches(items: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    batch: list[dict] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAutoencoder",
                               clip_text: "ClipTextEncoder", keep_original: bool = False,
                               resolution: int = 512, batch_size: int = 16) -> PrecacheReport:
     """Precache every sample of ``balanced_tar_url`` into the tar ``out_url`` (written atomically)."""
     import torch
 
-    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 8 or resolution % 8:
-        raise ValueError(f"precache resolution must be a positive multiple of 8, got {resolution!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    positive_int("precache resolution", resolution, multiple=8)
+    positive_int("batch_size", batch_size)
     start = time.perf_counter()
     report = PrecacheReport(input_url=balanced_tar_url, output_url=out_url)
     if not exists(balanced_tar_url):
@@ -92,25 +80,24 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
 
     def encode(batch: list[dict], out: TarWriter) -> None:
         images = []
-        for s in batch:
+        for it in batch:
             try:
-                images.append(preprocess_image(s[s["__ext__"]], resolution))
+                images.append(preprocess_image(it["sample"][it["ext"]], resolution))
             except Exception as e:
-                raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r}: image cannot be decoded "
+                raise PrecacheError(f"{balanced_tar_url}: sample {it['key']!r}: image cannot be decoded "
                                     f"({type(e).__name__}: {e}); precache would lose a sample") from e
         params = vae.encode(torch.stack(images), output="parameters").to(torch.float16).numpy()
-        texts = clip_text.encode([s["__caption__"] for s in batch])  # float32 [B, 80, d]
-        for s, img, txt in zip(batch, params, texts):
+        texts = clip_text.encode([it["caption"] for it in batch])  # float32 [B, 80, d]
+        for it, img, txt in zip(batch, params, texts):
             img = np.ascontiguousarray(img)
             txt = np.ascontiguousarray(txt)
             if not (np.isfinite(img).all() and np.isfinite(txt).all()):
-                report.nonfinite_keys.append(s["__key__"])
+                report.nonfinite_keys.append(it["key"])
             members: dict[str, bytes | str] = {"pickle": pickle.dumps({IMAGE_KEY: img, TEXT_KEY: txt})}
             if keep_original:
-                members[s["__ext__"]] = s[s["__ext__"]]
-                members["txt"] = s["txt"]
-            out.add(s["__key__"], members)
-            report.samples += 1
+                members[it["ext"]] = it["sample"][it["ext"]]
+                members["txt"] = it["sample"]["txt"]
+            out.add(it["key"], members)
             report.image_shape, report.text_shape = list(img.shape), list(txt.shape)
 
     def checked(s: dict) -> dict:
@@ -120,20 +107,17 @@ def write_precached_encodings(balanced_tar_url: str, out_url: str, vae: "ImageAu
             raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r} has no {what}; "
                                 "precache would lose a sample")
         try:
-            s["__caption__"] = s["txt"].decode("utf-8")
+            caption = s["txt"].decode("utf-8")
         except UnicodeDecodeError as e:
             raise PrecacheError(f"{balanced_tar_url}: sample {s['__key__']!r}: caption is not UTF-8 ({e})") from e
-        s["__ext__"] = ext
-        return s
+        # a new dict, not the sample: a member named "reason" must not read as a failure record
+        return {"key": s["__key__"], "ext": ext, "caption": caption, "sample": s}
 
-    # streamed batch by batch; an error mid-way leaves no output. Opened at the first sample: never an
-    # empty tar (a stale one is removed)
-    with TarWriter(out_url, remove_stale=True) as out:
-        for batch in _batches(map(checked, iter_samples(balanced_tar_url)), batch_size):
-            encode(batch, out)
-    report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
-    report.seconds = time.perf_counter() - start
-    return report
+    # streamed batch by batch (checked in this thread: cheap), images decoded per batch; an error
+    # mid-way leaves no output
+    done = encode_tar(balanced_tar_url, out_url, checked, encode, batch_size=batch_size)
+    report.samples, report.tar_written, report.tar_bytes = done.written, done.written > 0, done.tar_bytes
+    return finish(report, start)
 
 
 # ---------------------------------------------------------------- which balanced tars to (re-)encode

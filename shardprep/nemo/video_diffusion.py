@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardprep.images.shards import ordered_map
+from shardprep.encode import encode_tar, finish, input_missing, positive_int
 from shardprep.models.video_autoencoders import frames_to_use
 from shardprep.nemo.diffusion import aesthetic_score, latent_problem, parse_sample, pth_bytes
-from shardprep.storage import exists, remove
-from shardprep.tars import TarWriter, iter_samples
+from shardprep.tars import TarWriter
 
 if TYPE_CHECKING:
     from shardprep.models.nemo import T5TextEncoder
@@ -129,21 +128,32 @@ def write_video_diffusion_samples(in_url: str, out_url: str, t5: "T5TextEncoder"
     batches of ``batch_size``."""
     import torch
 
-    for name, value, ok in (("resolution", resolution, lambda v: v >= 16 and v % 16 == 0),
-                            ("max_frames", max_frames, lambda v: v >= 1), ("batch_size", batch_size, lambda v: v >= 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-            raise ValueError(f"video diffusion: {name} must be a positive integer"
-                             f"{' multiple of 16' if name == 'resolution' else ''}, got {value!r}")
+    positive_int("video diffusion: resolution", resolution, multiple=16)
+    positive_int("video diffusion: max_frames", max_frames)
+    positive_int("video diffusion: batch_size", batch_size)
     start = time.perf_counter()
     report = VideoDiffusionReport()
-    if not exists(in_url):
-        remove(out_url)
-        report.seconds = time.perf_counter() - start
-        return report
+    if input_missing(in_url, out_url):
+        return finish(report, start)
     temporal, multiple = vae.compression.temporal, vae.side_multiple()
     shapes: set[tuple[int, ...]] = set()
 
-    def flush(ready: list[dict], out: TarWriter) -> None:
+    def prepare(sample: dict) -> dict:
+        return _prepare(sample, in_url, max_frames, temporal, resolution, multiple)
+
+    def encode_clip(item: dict) -> dict:
+        try:
+            lat = vae.encode(item["clip"]).to(torch.bfloat16)
+        except ValueError as e:  # a shape the autoencoder refused: this clip only
+            return {"key": item["key"], "reason": f"autoencoder: {e}"}
+        problem = latent_problem(lat)
+        if problem is not None:
+            return {"key": item["key"], "reason": problem}
+        # the frames are not kept while captions wait for a full T5 batch: only their shape
+        item["latent"], item["fed"] = lat, tuple(int(d) for d in item.pop("clip").shape[1:])
+        return item
+
+    def encode(ready: list[dict], out: TarWriter) -> None:
         texts = t5.encode([it["caption"] for it in ready])
         for it, txt in zip(ready, texts):
             if not np.isfinite(txt).all():
@@ -152,41 +162,15 @@ def write_video_diffusion_samples(in_url: str, out_url: str, t5: "T5TextEncoder"
             lat = it["latent"]
             out.add(it["key"], {".json": json.dumps(_json(it, int(lat.shape[1]))), ".pickle": pickle.dumps(txt),
                                 ".pth": pth_bytes(lat)})
-            report.samples += 1
             report.frames += it["fed"][0]
             shapes.add(tuple(lat.shape))
             report.text_dim = int(txt.shape[1])
 
-    with TarWriter(out_url, remove_stale=True) as out:
-        ready: list[dict] = []
-
-        def prepare(sample: dict) -> dict:
-            return _prepare(sample, in_url, max_frames, temporal, resolution, multiple)
-
-        # upcoming clips decode in threads while the autoencoder encodes the current one
-        for item in ordered_map(prepare, iter_samples(in_url), _DECODE_THREADS, 4):
-            report.input_samples += 1
-            if "reason" in item:
-                report.failures.append({"key": item["key"], "reason": item["reason"]})
-                continue
-            try:
-                lat = vae.encode(item["clip"]).to(torch.bfloat16)
-            except ValueError as e:  # a shape the autoencoder refused: this clip only
-                report.failures.append({"key": item["key"], "reason": f"autoencoder: {e}"})
-                continue
-            problem = latent_problem(lat)
-            if problem is not None:
-                report.failures.append({"key": item["key"], "reason": problem})
-                continue
-            # the frames are not kept while captions wait for a full T5 batch: only their shape
-            item["latent"], item["fed"] = lat, tuple(int(d) for d in item.pop("clip").shape[1:])
-            ready.append(item)
-            if len(ready) == batch_size:
-                flush(ready, out)
-                ready = []
-        if ready:
-            flush(ready, out)
-    report.tar_written, report.tar_bytes = out.count > 0, out.bytes_written
+    # upcoming clips decode in threads while the autoencoder encodes the current one (as it arrives:
+    # clips have different shapes), captions in batches
+    done = encode_tar(in_url, out_url, prepare, encode, batch_size=batch_size, threads=_DECODE_THREADS,
+                      in_flight=4, failures=report.failures, encode_each=encode_clip)
+    report.input_samples, report.samples = done.read, done.written
+    report.tar_written, report.tar_bytes = done.written > 0, done.tar_bytes
     report.latent_shapes = [list(s) for s in sorted(shapes)]
-    report.seconds = time.perf_counter() - start
-    return report
+    return finish(report, start)
