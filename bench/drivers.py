@@ -40,6 +40,72 @@ def _ours_shard(args) -> dict:
             "failed_to_resize": r.failed_to_resize}
 
 
+class _TarProgress:
+    """Samples, every ``every`` seconds, the bytes of every tar being written under ``folder``
+    (``*.tar``, and shardprep's ``.*.tar.tmp*`` before it is published) and the CPU seconds of this
+    process tree (user + system, live descendants included), for the steady-state rate: the work
+    between 10% and 90% of the final tar bytes, start-up and the last shard's tail left out. Both
+    sides write their tars as the samples come (webdataset's TarWriter, ours in stream mode)."""
+
+    def __init__(self, folder: str, every: float = 0.25):
+        import threading
+
+        self.folder, self.every = folder, every
+        self.samples: list[tuple[float, int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _tar_bytes(self) -> int:
+        total = 0
+        for folder, _dirs, names in os.walk(self.folder):  # ours: under images/
+            for name in names:
+                if ".tar" in name and not name.endswith(".idx"):
+                    try:
+                        total += os.stat(os.path.join(folder, name)).st_size
+                    except OSError:  # published or removed meanwhile
+                        pass
+        return total
+
+    def _cpu(self) -> float:
+        import psutil
+
+        me = psutil.Process()
+        total = 0.0
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self._tar_bytes(), self._cpu()))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "_TarProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), self._tar_bytes(), self._cpu()))
+
+    def steady(self, lo: float = 0.1, hi: float = 0.9) -> dict:
+        """{fraction, seconds, cpu_seconds} of the window from ``lo`` to ``hi`` of the final bytes
+        (CPU of processes that ended inside the window is missed: a lower bound, see bench/run.py)."""
+        final = max((b for _, b, _ in self.samples), default=0)
+        if final <= 0:
+            return {}
+        a = next(x for x in self.samples if x[1] >= lo * final)
+        b = next(x for x in self.samples if x[1] >= hi * final)
+        if b[0] <= a[0]:
+            return {}
+        return {"fraction": (b[1] - a[1]) / final, "seconds": b[0] - a[0], "cpu_seconds": b[2] - a[2]}
+
+
 def images_ours(s: dict) -> dict:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -56,10 +122,12 @@ def images_ours(s: dict) -> dict:
     jobs = [(s["parquet"], off, min(spp, n - off), k, cfg) for k, off in enumerate(range(0, n, spp))]
     # fork: the parent has imported nothing heavy and runs no threads yet
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(s["processes"], mp_context=mp.get_context("fork")) as pool:
-        reports = list(pool.map(_ours_shard, jobs))
+    with _TarProgress(s["out"]) as progress:
+        with ProcessPoolExecutor(s["processes"], mp_context=mp.get_context("fork")) as pool:
+            reports = list(pool.map(_ours_shard, jobs))
     out = {k: sum(r[k] for r in reports) for k in reports[0]}
     out["work_seconds"] = time.perf_counter() - t0
+    out["steady"] = progress.steady()
     return out
 
 
@@ -71,18 +139,81 @@ def images_img2dataset(s: dict) -> dict:
 
     _fresh(s["out"])
     t0 = time.perf_counter()
-    img2dataset.download(
-        url_list=s["parquet"], input_format="parquet", url_col="url", caption_col="caption",
-        save_additional_columns=["source_id"], output_format="webdataset", output_folder=s["out"],
-        processes_count=s["processes"], thread_count=s["threads"], image_size=s["image_size"],
-        resize_mode=s["resize_mode"], encode_quality=s["encode_quality"],
-        number_sample_per_shard=s["samples_per_shard"], timeout=int(s["timeout"]), retries=0,
-        distributor="multiprocessing", enable_wandb=False)
+    with _TarProgress(s["out"]) as progress:
+        img2dataset.download(
+            url_list=s["parquet"], input_format="parquet", url_col="url", caption_col="caption",
+            save_additional_columns=["source_id"], output_format="webdataset", output_folder=s["out"],
+            processes_count=s["processes"], thread_count=s["threads"], image_size=s["image_size"],
+            resize_mode=s["resize_mode"], encode_quality=s["encode_quality"],
+            number_sample_per_shard=s["samples_per_shard"], timeout=int(s["timeout"]), retries=0,
+            distributor="multiprocessing", enable_wandb=False)
     work = time.perf_counter() - t0
     rows = [r for p in sorted(glob.glob(os.path.join(s["out"], "*.parquet")))
             for r in pq.read_table(p, columns=["status"]).column("status").to_pylist()]
     return {"successes": rows.count("success"), "failed_to_download": rows.count("failed_to_download"),
-            "failed_to_resize": rows.count("failed_to_resize"), "work_seconds": work}
+            "failed_to_resize": rows.count("failed_to_resize"), "work_seconds": work, "steady": progress.steady()}
+
+
+def _limit_part(args) -> tuple[int, float]:
+    """One core's share of the limit loop: (images, CPU seconds of the loop alone)."""
+    files, image_size, resize_mode, quality = args
+    import cv2
+    import numpy as np
+    import simplejpeg
+
+    from shardprep.images import resize as R
+
+    assert resize_mode == "border", "the limit loop does the bench's resize_mode (border) only"
+    cv2.setNumThreads(1)
+    cache: dict[str, bytes] = {}
+    datas = []
+    for f in files:  # read before the clock starts: no I/O in the loop
+        if f not in cache:
+            with open(f, "rb") as fh:
+                cache[f] = fh.read()
+        datas.append(cache[f])
+    area, lanczos, params = cv2.INTER_AREA, cv2.INTER_LANCZOS4, [cv2.IMWRITE_JPEG_QUALITY, quality]
+    c0 = time.process_time()
+    for data in datas:
+        if data[:2] == b"\xff\xd8":  # JPEG: libjpeg-turbo DCT-scaled decode, the engine's reduction rule
+            h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+            grey = colorspace == "Gray"
+            r, _ = R._plan_reduction((w, h), "JPEG", "L" if grey else "RGB", resize_mode, image_size)
+            img = simplejpeg.decode_jpeg(data, "GRAY" if grey else "BGR", min_height=-(-h // r),
+                                         min_width=-(-w // r), min_factor=r)
+        else:  # PNG with alpha: decode, composite on white
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+            h, w = img.shape[:2]
+            if img.ndim == 3 and img.shape[2] == 4:
+                img = R._composite_on_white(img)
+        scale = image_size / max(h, w)
+        nh, nw = R._target(h, w, scale)
+        img = cv2.resize(img, (nw, nh), interpolation=area if scale < 1 else lanczos)
+        img = R._pad_white(img, image_size)
+        cv2.imencode(".jpg", img, params)
+    return len(datas), time.process_time() - c0
+
+
+def images_limit(s: dict) -> dict:
+    """The per-core limit: the same input images through the tightest single-thread loop of the same
+    work (decode with DCT scaling as the engine plans it, area/lanczos resize to img2dataset's size,
+    white border, JPEG encode at the same quality), no network, no tar, no parquet, no EXIF or hash;
+    one such loop per process on ``processes`` cores at once, as the engine's processes run."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    # the rows that name one of the site's images, in row order (the broken rows name none)
+    urls = pq.read_table(s["parquet"], columns=["url"]).column("url").to_pylist()
+    prefix = s["base_url"] + "/images/"
+    files = [os.path.join(s["site_dir"], "images", u[len(prefix):]) for u in urls if u.startswith(prefix)]
+    p = s["processes"]
+    parts = [(files[i::p], s["image_size"], s["resize_mode"], s["encode_quality"]) for i in range(p)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(p) as pool:
+        done = list(pool.map(_limit_part, parts))
+    images, cpu = sum(n for n, _ in done), sum(c for _, c in done)
+    return {"images": images, "loop_cpu_seconds": cpu, "work_seconds": time.perf_counter() - t0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +502,7 @@ def video_video2dataset(s: dict) -> dict:
 
 
 SIDES = {
-    "images-ours": images_ours, "images-img2dataset": images_img2dataset,
+    "images-ours": images_ours, "images-img2dataset": images_img2dataset, "images-limit": images_limit,
     "clip-ours": clip_ours, "clip-clip-retrieval": clip_clip_retrieval,
     "clip-fidelity": clip_fidelity, "clip-gpu": clip_gpu,
     "loader-ours": loader_ours, "loader-dalle2": loader_dalle2,

@@ -93,13 +93,28 @@ def output_schema(input_schema: pa.Schema, extract_exif: bool = True) -> pa.Sche
     return schema.append(pa.field(HASH_COLUMN, pa.string()))
 
 
+def _exifread():
+    """exifread (img2dataset's dependency, ExifRead-nocycle), its logger quietened once; ``None`` if missing.
+    (``Logger.setLevel`` clears every logger's cache under the logging lock: not once per image.)"""
+    global _EXIFREAD
+    if _EXIFREAD is False:
+        try:
+            import exifread
+        except ImportError:
+            exifread = None
+        logging.getLogger("exifread").setLevel(logging.CRITICAL)
+        _EXIFREAD = exifread
+    return _EXIFREAD
+
+
+_EXIFREAD: Any = False  # not imported yet
+
+
 def _exif_json(data: bytes) -> str | None:
     """EXIF as img2dataset stores it (exifread's tag names); ``None`` when absent or exifread is missing."""
-    try:
-        import exifread  # img2dataset's dependency (ExifRead-nocycle)
-    except ImportError:
+    exifread = _exifread()
+    if exifread is None:
         return None
-    logging.getLogger("exifread").setLevel(logging.CRITICAL)
     try:
         tags = exifread.process_file(io.BytesIO(data), details=False)
         return json.dumps({k: str(v).strip() for k, v in tags.items() if v is not None})
