@@ -12,10 +12,12 @@ from shardprep_dagster.resources.settings import Settings, load_settings
 from shardprep_dagster.sensors import new_source_files_sensor
 
 
-def _batched(assets: list[dg.AssetsDefinition], settings: Settings) -> list[dg.AssetsDefinition]:
-    """Backfills take several shards per run, so each run loads its models once, not once per shard."""
-    per_run = {**{a.key: settings.gpu_shards_per_run for a in batched("gpu")},
-               **{a.key: settings.download_shards_per_run for a in batched("download")}}
+def _batched(assets: list[dg.AssetsDefinition], settings: Settings, blocks: bool) -> list[dg.AssetsDefinition]:
+    """Backfills take several shards per run, so each run loads its models once, not once per shard; a
+    partition that is a block of shards is such a batch already: one per run, so each materialization
+    carries its own block's figures."""
+    per_run = {**{a.key: 1 if blocks else settings.gpu_shards_per_run for a in batched("gpu")},
+               **{a.key: 1 if blocks else settings.download_shards_per_run for a in batched("download")}}
     return [a.with_attributes(backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=per_run[a.key]))
             if a.key in per_run else a for a in assets]
 
@@ -49,7 +51,8 @@ def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definit
         minimum_interval_seconds=settings.automation_interval,
     )
     return dg.Definitions(
-        assets=_batched([*per_shard, *global_], settings),
+        assets=_batched([*per_shard, *global_], settings, blocks=exists(config_path)
+                        and load_dataset(config_path)[0].shards_per_partition > 1),
         jobs=[shards_job, global_job],
         sensors=[new_source_files_sensor(settings.sensor_interval), automation],
         resources={"dataset": dataset, "clip": ClipResource(dataset=dataset), "nemo": NemoEncoders(dataset=dataset)},

@@ -16,7 +16,7 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG
 from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
-from shardprep.ledger import shard_media
+from shardprep.ledger import load_ledger, shard_media
 from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
 from shardprep.verify import file_sizes
@@ -134,8 +134,10 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     A failing shard does not stop the others (their outputs are written and will be found complete on
     a re-run); the step fails at the end naming every failed shard.
     """
-    keys = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
+    partitions = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
     layout, version = dataset.layout, dataset.versions[artifact]
+    shards_of = partition_shards(dataset, partitions)
+    keys = [k for p in partitions for k in shards_of[p]]
     rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
@@ -169,33 +171,55 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             failures[key] = f"{type(e).__name__}: {e}"
             state.record_failed(layout, artifact, key, failures[key])
     if failures:
-        # the shards of a batch that succeeded are materialized all the same, so their downstream
-        # assets go ahead; only the failed ones wait for a re-run
-        for key, meta in results.items():
-            context.log_event(dg.AssetMaterialization(
-                asset_key=context.asset_key, partition=key, tags={DATA_VERSION_TAG: version},
-                metadata={k: v for k, v in meta.items() if isinstance(v, (int, float, str))}))
+        # the partitions of a batch whose shards all succeeded are materialized all the same, so their
+        # downstream assets go ahead; only the failed ones wait for a re-run (their done shards are
+        # stamped: the re-run skips them)
+        for p in partitions:
+            if not any(k in failures for k in shards_of[p]):
+                context.log_event(dg.AssetMaterialization(
+                    asset_key=context.asset_key, partition=p, tags={DATA_VERSION_TAG: version},
+                    metadata={k: v for k, v in _figures({k: results[k] for k in shards_of[p]}, version).items()
+                              if isinstance(v, (int, float, str)) or k == "per_shard"}))
         raise dg.Failure(
             description=f"{len(failures)} of {len(keys)} shard(s) failed: "
             + "; ".join(f"{k}: {v}" for k, v in list(failures.items())[:10]),
-            metadata={"failed_shards": dg.MetadataValue.json(failures)},
+            metadata={"failed_shards": dg.MetadataValue.json(failures),
+                      "per_shard": _per_shard(results, failures)},
         )
     checks = [_check_result(check[0], {k: check[1](k) for k in keys if kinds.get(k, media) == media})] \
         if check else None
-    if len(keys) == 1:
-        return dg.MaterializeResult(metadata={**results[keys[0]], "version": version, **worker_metadata()},
-                                    check_results=checks, data_version=dg.DataVersion(version))
-    summary: dict[str, Any] = {"shards": len(keys), "version": version, **worker_metadata(),
+    # the version is each partition's data version: the one tag Dagster indexes per partition
+    return dg.MaterializeResult(metadata=_figures(results, version), check_results=checks,
+                                data_version=dg.DataVersion(version))
+
+
+def partition_shards(dataset: DatasetResource, partitions: list[str]) -> dict[str, list[str]]:
+    """``{partition: [shard keys]}``: a partition is a shard, or a block of them (``shards_per_partition``)."""
+    if dataset.config.shards_per_partition == 1:
+        return {p: [p] for p in partitions}
+    ledger = load_ledger(dataset.layout)
+    return {p: ledger.partition_shards(p) if ledger else [] for p in partitions}
+
+
+def _per_shard(results: dict[str, dict[str, Any]], failures: dict[str, str] | None = None) -> dg.MetadataValue:
+    rows = [{"shard": k, **{n: v for n, v in r.items() if isinstance(v, (int, float, str))}} for k, r in results.items()]
+    rows += [{"shard": k, "status": "failed", "reason": why} for k, why in (failures or {}).items()]
+    return _table(rows)
+
+
+def _figures(results: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
+    """A materialization's metadata: one shard's own, or the shards' totals and a row per shard (a block,
+    or a batch of partitions)."""
+    if len(results) == 1:
+        return {**next(iter(results.values())), "version": version, **worker_metadata()}
+    summary: dict[str, Any] = {"shards": len(results), "version": version, **worker_metadata(),
                                "cached_shards": sum(r.get("status") == "cached" for r in results.values())}
     for name in ("samples", "successes", "failed_to_download", "failed_to_resize", "rows", "bytes", "seconds"):
         vals = [r[name] for r in results.values() if isinstance(r.get(name), (int, float))]
         if vals:
             summary[name] = sum(vals)
-    summary["per_shard"] = _table([
-        {"shard": k, **{n: v for n, v in r.items() if isinstance(v, (int, float, str))}} for k, r in results.items()
-    ])
-    # the version is each partition's data version: the one tag Dagster indexes per partition
-    return dg.MaterializeResult(metadata=summary, check_results=checks, data_version=dg.DataVersion(version))
+    summary["per_shard"] = _per_shard(results)
+    return summary
 
 
 def versioned(dataset: DatasetResource, artifact: str, result: dg.MaterializeResult) -> dg.MaterializeResult:

@@ -12,13 +12,16 @@ import sys
 
 def print_summary(summary) -> None:
     total = len(summary.shards)
+    unit = "shards" if summary.shards_per_partition == 1 else "blocks"
     width = max([len(a) for a in summary.materialized] + [5])
     print(f"\n{'asset'.ljust(width)}  materialized")
     for asset, n in summary.materialized.items():
-        done = ("yes" if n else "no") if asset in summary.global_assets else f"{n} of {total} shards"
+        done = ("yes" if n else "no") if asset in summary.global_assets else f"{n} of {total} {unit}"
         print(f"{asset.ljust(width)}  {done}")
-    print(f"\nshards: {total} ({len(summary.new_shards)} new), runs this time: {summary.runs}, "
-          f"failed: {len(summary.failed)}")
+    blocks = (f" in {total} blocks of up to {summary.shards_per_partition}" if summary.shards_per_partition > 1
+              else "")
+    print(f"\nshards: {summary.shard_count or total}{blocks} ({len(summary.new_shards)} new), runs this time: "
+          f"{summary.runs}, failed: {len(summary.failed)}")
     for backfill_id in summary.backfills:
         print(f"backfill {backfill_id} (in the UI: Overview > Backfills)")
     for backfill_id in summary.waited_on:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from shardprep.layout import Layout
+from shardprep.ledger import load_ledger
 from shardprep.versions import remove_stamp
 
 WIPE_CHUNK = 900  # partitions per delete: SQLite builds before 3.32 bind at most 999 values in one statement
@@ -82,8 +83,12 @@ def wipe_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partit
 
 def invalidate(instance: dg.DagsterInstance, layout: Layout, assets: list[str], shards: list[str]) -> None:
     """Forget that ``shards`` of each asset in ``assets`` are materialized: the stamps first (outputs are
-    never trusted again), then the Dagster materializations."""
+    never trusted again), then the Dagster materializations of their partitions (a block's: its other
+    shards keep their stamps, so the block's next run does only these)."""
+    ledger = load_ledger(layout)
+    partitions = list(dict.fromkeys(ledger.partition_of(s) for s in shards)) \
+        if ledger is not None and ledger.shards_per_partition > 1 else shards
     for asset in assets:
         for shard in shards:
             remove_stamp(layout, asset, shard)
-        wipe_partitions(instance, dg.AssetKey(asset), shards)
+        wipe_partitions(instance, dg.AssetKey(asset), partitions)

@@ -16,8 +16,11 @@ import dagster as dg
 from dagster._core.definitions.data_version import DATA_VERSION_TAG
 from dagster._core.events import DagsterEventType
 
+from shardprep import state
+from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
-from shardprep.ledger import Registration
+from shardprep.layout import Layout
+from shardprep.ledger import Registration, load_ledger
 
 
 def current_partitions(instance: dg.DagsterInstance, key: dg.AssetKey, version: str | None) -> set[str]:
@@ -47,6 +50,37 @@ def todo_by_shard(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey], v
         for s in todo.keys() - current_partitions(instance, k, versions.get(k.path[-1])):
             todo[s].append(k)
     return todo
+
+
+def incomplete_shards(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, list[str]]:
+    """``{shard: [asset]}`` where the state index (``shardprep.state``: per-shard truth) says the shard's
+    outputs of the asset are not complete at its version: a shard new to a block, one redone by
+    ``verify`` or ``reshard``, one whose step died with its process."""
+    layout = Layout(cfg.output_root)
+    ledger = load_ledger(layout)
+    if ledger is None:
+        return {}
+    states = state.load(layout, names)
+    shards = ledger.shards()
+    out: dict[str, list[str]] = {}
+    for name in names:
+        record, current = ARTIFACTS[name], states[name].complete(versions[name])
+        for shard in shards:
+            if shard.key not in current and record.applies(shard.media):
+                out.setdefault(shard.key, []).append(name)
+    return out
+
+
+def stale_in_index(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, set[str]]:
+    """``{partition: {asset}}`` holding a shard ``incomplete_shards`` names."""
+    incomplete = incomplete_shards(cfg, versions, names)
+    if not incomplete:
+        return {}
+    ledger = load_ledger(Layout(cfg.output_root))
+    out: dict[str, set[str]] = {}
+    for shard, assets in incomplete.items():
+        out.setdefault(ledger.partition_of(shard), set()).update(assets)
+    return out
 
 
 def outdated_globals(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey],
@@ -99,7 +133,8 @@ class Plan:
 
     @property
     def shards(self) -> list[str]:
-        return self.registration.all_keys
+        """The Dagster partitions: shards, or blocks of them (``shards_per_partition``)."""
+        return self.registration.partitions or self.registration.all_keys
 
     def todo_shards(self) -> list[str]:
         return [s for s in self.shards if self.rebuild or self.todo[s]]
@@ -108,4 +143,11 @@ class Plan:
         return self.shard_keys if self.rebuild else self.todo[shard]
 
     def replan(self, instance: dg.DagsterInstance) -> None:
+        """What is to do: what Dagster has not materialized at the current version, and what the state
+        index says is not complete (a partition's materialization may predate a shard of it)."""
         self.todo = todo_by_shard(instance, self.shard_keys, self.versions, self.shards)
+        stale = stale_in_index(self.cfg, self.versions, [k.path[-1] for k in self.shard_keys])
+        for partition, names in stale.items():
+            if partition in self.todo:
+                self.todo[partition] = [k for k in self.shard_keys
+                                        if k in self.todo[partition] or k.path[-1] in names]

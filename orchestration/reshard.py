@@ -13,7 +13,7 @@ import dagster as dg
 from shardprep.artifacts import PER_SHARD
 from shardprep.config import config_url, load_config
 from shardprep.layout import Layout
-from shardprep.ledger import ReshardResult, reshard_source
+from shardprep.ledger import ReshardResult, load_ledger, reshard_source
 from shardprep_dagster.orchestration.invalidate import invalidate
 
 PARTITION_ADD_CHUNK = 10_000  # dynamic partitions added per call
@@ -40,6 +40,9 @@ def reshard(config_path: str, source_url: str, instance: dg.DagsterInstance | No
         invalidate(instance, Layout(cfg.output_root), list(PER_SHARD), shards)
 
     result = reshard_source(cfg, source_url, on_invalidated=wipe)
-    for chunk in _chunks(result.new_keys, PARTITION_ADD_CHUNK):
+    ledger = load_ledger(Layout(cfg.output_root))
+    known = set(instance.get_dynamic_partitions(shard_partitions.name))
+    new = [p for p in dict.fromkeys(ledger.partition_of(k) for k in result.new_keys) if p not in known]
+    for chunk in _chunks(new, PARTITION_ADD_CHUNK):
         instance.add_dynamic_partitions(shard_partitions.name, chunk)
     return result

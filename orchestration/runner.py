@@ -54,7 +54,7 @@ def make_plan(config_path: str, instance: dg.DagsterInstance, rebuild: bool = Fa
     cfg, versions = load_dataset(config_path)
     reg = registration or register_sources(cfg, config_path=config_path)  # a bad source fails here
     with instance_lock(instance, "partitions"):
-        register_partitions(instance, reg.all_keys)
+        register_partitions(instance, reg.partitions)
     defs = build_defs(config_path)
     graph = defs.resolve_asset_graph()
     order = graph.toposorted_asset_keys
@@ -79,7 +79,9 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
     plan = make_plan(config_path, instance, rebuild, registration=registration)
     summary = RunSummary(plan.shards, plan.registration.new_keys,
                          appended_sources=plan.registration.appended_sources,
-                         empty_sources=plan.registration.empty_sources)
+                         empty_sources=plan.registration.empty_sources,
+                         shard_count=len(plan.registration.all_keys),
+                         shards_per_partition=plan.registration.shards_per_partition)
     if in_process:
         from shardprep_dagster.orchestration.in_process import execute
 

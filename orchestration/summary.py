@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from shardprep_dagster.orchestration.plan import Plan, current_partitions, global_is_current
+from shardprep_dagster.orchestration.plan import Plan, current_partitions, global_is_current, incomplete_shards
 
 
 @dataclass
@@ -25,6 +25,8 @@ class RunSummary:
     backfills: list[str] = field(default_factory=list)  # queued: the backfills this run launched
     waited_on: list[str] = field(default_factory=list)  # queued: other processes' backfills this run waited for
     shards_settled: int = 0  # storage id of the newest shard materialization when the global step began
+    shard_count: int = 0  # shards registered (``shards`` are the partitions: shards, or blocks of them)
+    shards_per_partition: int = 1
 
     def waited_for(self, backfill_ids: list[str]) -> None:
         """Note other processes' backfills this run waited for (named if what they had fails)."""
@@ -44,6 +46,10 @@ def finish(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary) -> Run
     for k in plan.shard_keys:
         for shard in set(plan.shards) - current[k]:
             missing.setdefault(shard, []).append(k.to_user_string())
+    # and per shard, from the state index (a partition may be a block: Dagster sees only the block)
+    for shard, assets in incomplete_shards(plan.cfg, plan.versions, [k.path[-1] for k in plan.shard_keys]).items():
+        if plan.registration.shards_per_partition > 1 or shard not in missing:
+            missing.setdefault(shard, []).extend(a for a in assets if a not in missing.get(shard, []))
     summary.materialized = {k.to_user_string(): len(current[k] & set(plan.shards)) for k in plan.shard_keys}
     others = f" (waited for backfill(s) {', '.join(summary.waited_on)} of another process)" if summary.waited_on else ""
     if summary.stopped_by is not None:

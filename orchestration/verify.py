@@ -26,7 +26,7 @@ from shardprep.ledger import load_ledger
 from shardprep.verify import Problem, verify_global, verify_shard
 from shardprep.versions import artifact_versions, remove_stamp
 from shardprep_dagster.orchestration.invalidate import invalidate
-from shardprep_dagster.orchestration.plan import current_partitions, latest_version
+from shardprep_dagster.orchestration.plan import latest_version
 
 THREADS = 16  # reading is I/O bound (object stores: one request per file or header range)
 REBUILT_WHEN_BROKEN = ("balanced_shards", "precached_encodings")
@@ -82,13 +82,16 @@ def verify_dataset(config_path: str, instance: dg.DagsterInstance, mark: bool = 
     ledger = load_ledger(layout)
     shard_of = {s.key: s for s in ledger.shards()} if ledger else {}
     graph = build_defs(config_path).resolve_asset_graph()
+    # per-shard truth: the state index (a partition may be a block of shards)
+    names = [k.path[-1] for k in graph.toposorted_asset_keys if graph.get(k).partitions_def is not None]
+    states = state.load(layout, names, fold_first=False)
     report = VerifyReport(marked=mark)
     with ThreadPoolExecutor(THREADS, thread_name_prefix="shardprep-verify") as pool:
         for key in graph.toposorted_asset_keys:
             node, name = graph.get(key), key.path[-1]
             if node.partitions_def is not None:
                 # only the shards the asset makes something of (an image-only dataset: no video_shards)
-                shards = sorted(s for s in current_partitions(instance, key, versions.get(name)) & shard_of.keys()
+                shards = sorted(s for s in states[name].complete(versions[name]) & shard_of.keys()
                                 if ARTIFACTS[name].applies(shard_of[s].media))
                 if not shards and ARTIFACTS[name].media is not None:
                     continue

@@ -1,4 +1,5 @@
-"""new_source_files: a parquet file appearing under the configured source becomes new shard partitions."""
+"""new_source_files: a parquet file appearing under the configured source becomes new shard partitions
+(new blocks of shards, or shards added to the open last block, with ``shards_per_partition``)."""
 
 import json
 
@@ -35,8 +36,10 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     # all files in one registration while none is bad (a call per file loads the whole ledger each
     # time: 30,000 times a tick for LAION); one at a time otherwise, so a bad file holds back no other
     batch = [u for u in todo if u not in bad]
+    grown: list[str] = []  # shard keys registered this tick
     try:
-        register_sources(cfg, source_files={u: files[u] for u in batch}, config_path=dataset.config_path)
+        grown += register_sources(cfg, source_files={u: files[u] for u in batch},
+                                  config_path=dataset.config_path).new_keys
         for url in batch:
             changed.pop(url, None)
         todo = [u for u in todo if u in bad]
@@ -45,7 +48,7 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     errors, rewritten = [], []
     for url in todo:
         try:
-            register_sources(cfg, source_files={url: files[url]}, config_path=dataset.config_path)
+            grown += register_sources(cfg, source_files={url: files[url]}, config_path=dataset.config_path).new_keys
             bad.pop(url, None)
             changed.pop(url, None)
         except SourceChangedError as e:
@@ -64,14 +67,19 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
 
     ledger = load_ledger(dataset.layout)
     known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
-    new_keys = [k for k in (ledger.keys() if ledger else []) if k not in known][:MAX_PARTITION_ADDS_PER_TICK]
-    if not new_keys:
+    new_keys = [k for k in (ledger.partition_keys() if ledger else []) if k not in known][:MAX_PARTITION_ADDS_PER_TICK]
+    # a block already known that gained shards this tick runs again (for its new shards only)
+    grown_blocks = list(dict.fromkeys(ledger.partition_of(k) for k in grown)) if ledger else []
+    requested = list(dict.fromkeys(new_keys + [p for p in grown_blocks if p in known]))
+    if not requested:
         return dg.SensorResult(skip_reason=dg.SkipReason("no new shards" + (
             f"; {len(problems)} source file problem(s): " + " | ".join(problems) if problems else "")),
             cursor=json.dumps(cursor))
     return dg.SensorResult(
-        dynamic_partitions_requests=[shard_partitions.build_add_request(new_keys)],
-        run_requests=[dg.RunRequest(partition_key=k, run_key=k) for k in new_keys],
+        dynamic_partitions_requests=[shard_partitions.build_add_request(new_keys)] if new_keys else [],
+        # run_key: a block's run is asked for again only when its last shard is a new one
+        run_requests=[dg.RunRequest(partition_key=p, run_key=p if ledger.shards_per_partition == 1
+                                    else f"{p}@{ledger.partition_shards(p)[-1]}") for p in requested],
         cursor=json.dumps(cursor),
     )
 

@@ -63,6 +63,9 @@ class DatasetConfig(BaseModel):
     # sharding (img2dataset semantics)
     samples_per_shard: PositiveInt = 10_000
     oom_shard_count: PositiveInt = 5
+    # Dagster partitions are blocks of this many consecutive shards (1: one partition per shard); fixed
+    # by the ledger like samples_per_shard. Our state index keeps per-shard truth either way
+    shards_per_partition: PositiveInt = 1
     # images
     image_size: PositiveInt = 256
     resize_mode: ResizeMode = Field("border", description=f"one of {', '.join(RESIZE_MODES)}")

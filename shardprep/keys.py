@@ -37,6 +37,24 @@ def shard_key(shard_id: int, oom_shard_count: int = 5) -> str:
     return f"{shard_id:0{oom_shard_count}d}"
 
 
+def partition_key(shard_id: int, shards_per_partition: int = 1, oom_shard_count: int = 5) -> str:
+    """The Dagster partition a shard belongs to: the shard's own key when partitions are single shards,
+    else its block of consecutive ids, ``00012300-00012399`` (sorts and reads well; fixed whether or not
+    the block is full yet)."""
+    if shards_per_partition == 1:
+        return shard_key(shard_id, oom_shard_count)
+    first = shard_id - shard_id % shards_per_partition
+    return f"{shard_key(first, oom_shard_count)}-{shard_key(first + shards_per_partition - 1, oom_shard_count)}"
+
+
+def partition_range(key: str) -> range:
+    """The shard ids a partition key covers (``00012`` or ``00012300-00012399``)."""
+    first, _, last = key.partition("-")
+    if not first.isdigit() or not (last or first).isdigit():
+        raise ValueError(f"not a shard partition key: {key!r}")
+    return range(int(first), int(last or first) + 1)
+
+
 def index_of_key(key: str, index_width: int) -> int:
     """Row of a sample inside its shard, as DALLE2's loader reads it (``int(key[-w:])``)."""
     return int(key[-index_width:]) if index_width > 0 else 0

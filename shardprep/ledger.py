@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from shardprep.config import DatasetConfig
 from shardprep.errors import ShardprepError
-from shardprep.keys import shard_key
+from shardprep.keys import partition_key, partition_range, shard_key
 from shardprep.layout import Layout
 from shardprep.sources import (
     SourceError,
@@ -108,6 +108,7 @@ class Ledger:
     samples_per_shard: int
     oom_shard_count: int
     files: list[dict] = field(default_factory=list)
+    shards_per_partition: int = 1  # Dagster partitions: blocks of this many consecutive shard ids
     read_version: int = field(default=LEDGER_VERSION, compare=False)  # as read (version 1 is rewritten)
     # key -> (shard id, source, row_start, row_stop, media) in id order, built on first use: shard(key) is
     # a dict lookup (LAION: 580,000 shards); tuples, as a frozen dataclass each costs several times more
@@ -153,12 +154,31 @@ class Ledger:
     def keys(self) -> list[str]:
         return list(self._by_key())
 
+    def partition_of(self, key: str) -> str:
+        """The Dagster partition key of shard ``key``."""
+        return partition_key(self.shard(key).shard_id, self.shards_per_partition, self.oom_shard_count)
+
+    def partition_keys(self) -> list[str]:
+        """Every partition holding a shard, in id order (the last block may not be full yet)."""
+        if self.shards_per_partition == 1:
+            return self.keys()
+        return list(dict.fromkeys(partition_key(r[0], self.shards_per_partition, self.oom_shard_count)
+                                  for r in self._by_key().values()))
+
+    def partition_shards(self, key: str) -> list[str]:
+        """The shards of partition ``key`` that exist, in id order."""
+        if self.shards_per_partition == 1:
+            return [key] if key in self._by_key() else []
+        index = self._by_key()
+        return [k for k in (shard_key(i, self.oom_shard_count) for i in partition_range(key)) if k in index]
+
     def entry(self, url: str) -> dict | None:
         return next((f for f in self.files if f["source"] == url), None)
 
     def to_json(self) -> bytes:
         return json.dumps({"version": LEDGER_VERSION, "samples_per_shard": self.samples_per_shard,
-                           "oom_shard_count": self.oom_shard_count, "files": self.files}, indent=2).encode()
+                           "oom_shard_count": self.oom_shard_count, "shards_per_partition": self.shards_per_partition,
+                           "files": self.files}, indent=2).encode()
 
 
 @dataclass(frozen=True)
@@ -167,6 +187,8 @@ class Registration:
     all_keys: list[str]
     empty_sources: list[str]
     appended_sources: list[str] = field(default_factory=list)  # registered earlier, rows appended since
+    partitions: list[str] = field(default_factory=list)  # every Dagster partition (shard blocks), in id order
+    shards_per_partition: int = 1
 
 
 @dataclass(frozen=True)
@@ -232,7 +254,9 @@ def _parse_ledger(layout: Layout, data: bytes | None) -> Ledger | None:
         raise LedgerError(f"{layout.ledger} has format version {version}; this shardprep reads versions "
                           f"{', '.join(map(str, READABLE_VERSIONS))}: a newer shardprep wrote it, upgrade shardprep")
     files = raw["files"] if version == 2 else [_file_from_v1(f) for f in raw["files"]]
-    return Ledger(raw["samples_per_shard"], raw["oom_shard_count"], files, read_version=version)
+    # ledgers written before shard blocks: one partition per shard
+    return Ledger(raw["samples_per_shard"], raw["oom_shard_count"], files, raw.get("shards_per_partition", 1),
+                  read_version=version)
 
 
 def _open_ledger(cfg: DatasetConfig, layout: Layout) -> Ledger:
@@ -242,8 +266,8 @@ def _open_ledger(cfg: DatasetConfig, layout: Layout) -> Ledger:
 
 def _check_config(cfg: DatasetConfig, layout: Layout, ledger: Ledger | None) -> Ledger:
     """``ledger`` (a new empty one for None), checked against the config."""
-    ledger = ledger or Ledger(cfg.samples_per_shard, cfg.oom_shard_count)
-    for name in ("samples_per_shard", "oom_shard_count"):
+    ledger = ledger or Ledger(cfg.samples_per_shard, cfg.oom_shard_count, shards_per_partition=cfg.shards_per_partition)
+    for name in ("samples_per_shard", "oom_shard_count", "shards_per_partition"):
         if getattr(ledger, name) != getattr(cfg, name):
             raise LedgerError(
                 f"config field '{name}' is {getattr(cfg, name)} but the ledger at {layout.ledger} was "
@@ -429,7 +453,7 @@ def register_sources(cfg: DatasetConfig, source_files: dict[str, str] | None = N
         ledger.reindex()
         if grown or fresh or ledger.read_version != LEDGER_VERSION or not exists(layout.ledger):
             write_bytes(layout.ledger, ledger.to_json())
-    return Registration(new_keys, ledger.keys(), empty, appended)
+    return Registration(new_keys, ledger.keys(), empty, appended, ledger.partition_keys(), ledger.shards_per_partition)
 
 
 def _as_source_url(url: str) -> str:

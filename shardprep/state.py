@@ -74,7 +74,8 @@ def _journal(layout: Layout, entries: list[dict]) -> None:
 def record_done(layout: Layout, artifact: str, shard: str, version: str, outputs: dict[str, int],
                 written_at: float) -> None:
     """``shard`` of ``artifact`` is complete at ``version`` (call after its stamp is written)."""
-    _journal(layout, [{"a": artifact, "s": shard, "k": "done", "t": written_at, "version": version,
+    # "j": when this was recorded (a shard found complete again, long after its stamp, ends its start)
+    _journal(layout, [{"a": artifact, "s": shard, "k": "done", "t": written_at, "j": time.time(), "version": version,
                        "outputs": {_relative(layout, u): n for u, n in outputs.items()}}])
 
 
@@ -116,7 +117,8 @@ def _read_entries(layout: Layout, files: list[str]) -> list[dict]:
                 entries.extend(json.loads(f.read()))
         except (FileNotFoundError, ValueError):  # folded and deleted meanwhile; or not ours
             continue
-    entries.sort(key=lambda e: e["t"])  # stable: entries of one time keep their file order
+    # in the order they were recorded (stable: entries of one time keep their file order)
+    entries.sort(key=lambda e: e.get("j", e["t"]))
     return entries
 
 
@@ -145,6 +147,8 @@ def _apply(table: pa.Table, entries: list[dict]) -> pa.Table:
         kind, t = e["k"], e["t"]
         # the newest change wins, whatever order entries are applied in: a rebuild from the stamps,
         # then an older journal entry of the same shard, must keep what the stamp says
+        if kind in ("done", "failed") and row["started_at"] is not None and e.get("j", t) >= row["started_at"]:
+            row.update(started_at=None, worker=None)  # the start has its outcome
         if kind in ("done", "removed") and (row["written_at"] is None or t >= row["written_at"]):
             if kind == "done":
                 row.update(version=e["version"], written_at=t, outputs=json.dumps(e["outputs"], sort_keys=True))
@@ -315,14 +319,9 @@ class ArtifactState:
         return dict(zip(t.column("shard").to_pylist(), t.column("failure").to_pylist()))
 
     def started(self) -> dict[str, tuple[float, str]]:
-        """``{shard: (started_at, worker)}`` of shards started after their last outcome."""
+        """``{shard: (started_at, worker)}`` of shards started and without an outcome since."""
         t = self.table.filter(pc.is_valid(self.table.column("started_at")))
-        out = {}
-        for r in t.to_pylist():
-            last = max(r["written_at"] or 0.0, r["failed_at"] or 0.0)
-            if r["started_at"] > last:
-                out[r["shard"]] = (r["started_at"], r["worker"])
-        return out
+        return {r["shard"]: (r["started_at"], r["worker"]) for r in t.to_pylist()}
 
     def row(self, shard: str) -> dict | None:
         t = self.table.filter(pc.equal(self.table.column("shard"), shard))

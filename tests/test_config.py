@@ -50,6 +50,7 @@ BAD_VALUES = {
     "save_additional_columns": [["key"], ["url", "a"], ["a", "a"], [""], [1], "source_id", {"a": 1}],
     "samples_per_shard": _NOT_POSITIVE,
     "oom_shard_count": _NOT_POSITIVE,
+    "shards_per_partition": _NOT_POSITIVE,
     "image_size": _NOT_POSITIVE,
     "resize_mode": ["stretch", "Border", "", None, 1],
     "resize_only_if_bigger": _NOT_FLAG,

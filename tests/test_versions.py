@@ -51,7 +51,8 @@ def test_versions_follow_the_fields_each_artifact_reads():
         assert changed(**speed) == set(), speed
     # every config field is either read by an artifact or known to change no output
     read = {f for record in ARTIFACTS.values() for f in record.fields}
-    speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count", "timeout",
+    speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count",
+                  "shards_per_partition", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
                   "video_thread_count", "video_decode_threads", "video_timeout",

@@ -1,0 +1,129 @@
+"""Shard blocks: with ``shards_per_partition`` a Dagster partition is a block of consecutive shards; a block
+run does only its shards that are not complete (per-shard stamps and the state index stay the truth), new
+shards fill the open block or start new ones, and each block's materialization carries its own figures."""
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from shardprep import state
+from shardprep.config import load_config
+from shardprep.keys import partition_key, partition_range
+from shardprep.layout import Layout
+from shardprep.ledger import Ledger, LedgerError, load_ledger, register_sources
+from shardprep.versions import read_stamp
+from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.status import asset_statuses
+from tests.fixtures import synthetic
+from tests.fixtures.configs import write_config
+from tests.fixtures.live_dagster import prepare_home
+from tests.fixtures.slow_runs import complete, shardprep_run, slow_image_source, wait_for
+
+PER_SHARD = ["source_parquet", "image_shards", "clip_embeddings", "reordered_embeddings", "image_scores"]
+
+
+def test_block_keys_sort_and_cover_their_ids():
+    assert partition_key(12345, 100, 8) == "00012300-00012399"
+    assert partition_key(7, 1) == "00007"
+    assert list(partition_range("00012300-00012399")) == list(range(12300, 12400))
+    assert list(partition_range("00007")) == [7]
+    with pytest.raises(ValueError, match="not a shard partition key"):
+        partition_range("abc")
+    ledger = Ledger(10, 5, [{"source": "a", "segments": [{"first_shard": 0, "num_shards": 10, "row_start": 0,
+                                                           "row_stop": 95}]}], shards_per_partition=4)
+    assert ledger.partition_keys() == ["00000-00003", "00004-00007", "00008-00011"]
+    assert ledger.partition_shards("00008-00011") == ["00008", "00009"]  # the open last block
+    assert ledger.partition_of("00005") == "00004-00007"
+
+
+def _latest(instance: dg.DagsterInstance, asset: str, partition: str) -> dict:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1).records
+    return records[0].asset_materialization.metadata
+
+
+def _written_at(layout: Layout, shard: str) -> dict[str, float]:
+    return {a: read_stamp(layout, a, shard)["written_at"] for a in PER_SHARD}
+
+
+def test_blocks_grow_and_a_rerun_does_only_the_new_shards(tmp_path, image_site, tiny_clip_dir):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[50], n_images=120, seed=4)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=20, shards_per_partition=4, image_size=32, allow_private_addresses=True,
+                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    layout = Layout(str(tmp_path / "out"))
+    home = prepare_home(tmp_path / "home")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        first = run_pipeline(config, instance=instance, progress=False, in_process=True)
+        assert first.ok, first.failed
+        assert instance.get_dynamic_partitions("shards") == ["00000-00003"]  # 3 shards: the open block
+        assert first.runs == 2  # one block, then the global step
+        meta = _latest(instance, "image_shards", "00000-00003")
+        # its own figures: its 3 shards (20 + 20 + 10 rows), a row each
+        assert meta["shards"].value == 3 and meta["samples"].value == 50
+        assert [r.data["shard"] for r in meta["per_shard"].value.records] == ["00000", "00001", "00002"]
+        before = {s: _written_at(layout, s) for s in ("00000", "00001", "00002")}
+
+        # a new file: its shards fill the open block (00003) and start the next (00004)
+        synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[30], n_images=120,
+                                       seed=5, prefix="zz-new")
+        second = run_pipeline(config, instance=instance, progress=False, in_process=True)
+        assert second.ok, second.failed
+        assert second.new_shards == ["00003", "00004"]
+        assert instance.get_dynamic_partitions("shards") == ["00000-00003", "00004-00007"]
+        # the grown block ran again, for its new shard only; the older shards were not touched
+        assert {s: _written_at(layout, s) for s in before} == before
+        grown = _latest(instance, "image_shards", "00000-00003")
+        assert grown["shards"].value == 4 and grown["cached_shards"].value == 3
+        new = _latest(instance, "image_shards", "00004-00007")
+        assert new["samples"].value == 10  # one shard of its own (rows 20-29 of the new file)
+
+        statuses = {s.asset: s for s in asset_statuses(config)}
+        for asset in PER_SHARD:  # status counts shards, not blocks
+            assert (statuses[asset].materialized, statuses[asset].total) == (5, 5), asset
+        assert state.stamps_equal_index(layout, PER_SHARD) == {}
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).runs == 0
+
+
+def test_shards_per_partition_is_fixed_by_the_ledger(tmp_path, image_site):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[10], n_images=20, seed=4)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=5, shards_per_partition=100)
+    register_sources(load_config(config))
+    assert json.loads(Path(tmp_path / "out" / "ledger.json").read_text())["shards_per_partition"] == 100
+    assert load_ledger(Layout(str(tmp_path / "out"))).partition_keys() == ["00000-00099"]
+    write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                 samples_per_shard=5, shards_per_partition=10)
+    with pytest.raises(LedgerError, match="shards_per_partition"):
+        register_sources(load_config(config))
+
+
+def test_kill_9_in_the_middle_of_a_block_and_the_rerun_redoes_only_unfinished_shards(tmp_path, tiny_clip_dir):
+    with slow_image_source(tmp_path, tiny_clip_dir, rows=60, samples_per_shard=20, slow_seconds=0.5,
+                           thread_count=4, seed=2, shards_per_partition=3) as (config, layout):
+        home = tmp_path / "dagster_home"
+        proc = shardprep_run(config, home, "--in-process")
+        wait_for(proc, layout.stamp("image_shards", "00000"), "shard 00000 of the block finishing")
+        time.sleep(1.0)  # shard 00001 of the same block is downloading
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert read_stamp(layout, "image_shards", "00001") is None, "killed too late to test a partial block"
+        done = read_stamp(layout, "image_shards", "00000")["written_at"]
+
+        proc = shardprep_run(config, home)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        assert "shards: 3 in 1 blocks of up to 3" in out
+        complete(layout)
+        assert read_stamp(layout, "image_shards", "00000")["written_at"] == done  # not redone
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            meta = _latest(instance, "image_shards", "00000-00002")
+            assert meta["shards"].value == 3 and meta["cached_shards"].value == 1
+        assert state.stamps_equal_index(layout, PER_SHARD) == {}
