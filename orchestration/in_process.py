@@ -10,6 +10,7 @@ import sys
 import dagster as dg
 
 from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
+from shardprep_dagster.orchestration.progress import ShardProgress
 from shardprep_dagster.orchestration.stop import Stop
 from shardprep_dagster.orchestration.summary import RunSummary
 from shardprep_dagster.resources.dataset import HOST_TAG, PID_TAG
@@ -39,10 +40,14 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
     job = plan.defs.resolve_job_def("shards_job")
     global_job = plan.defs.resolve_job_def("global_job")
     tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
-    bar = tqdm(plan.todo_shards(), desc="shards", unit="shard", disable=not progress, file=sys.stderr)
+    todo = plan.todo_shards()
+    bar = tqdm(total=0, desc="shards", unit="shard", disable=not progress, file=sys.stderr)
+    shard_progress = ShardProgress(plan, todo, bar)
+    bar.total = shard_progress.total
+    bar.refresh()
     with Stop() as stop:
         try:
-            for shard in bar:
+            for shard in todo:  # a partition: a shard, or a block of them
                 selection = plan.assets_to_do(shard)
                 result = job.execute_in_process(partition_key=shard, instance=instance, asset_selection=selection,
                                                 run_config=_run_config(selection, plan.rebuild),
@@ -53,6 +58,7 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
                     break
                 if not result.success:
                     summary.failed[shard] = _failure_message(result)
+                shard_progress.poll({shard})
                 bar.set_postfix(failed=len(summary.failed))
             # the unpartitioned outputs (balanced tars, wdinfo, precache, energon indexes) catch up in one run
             summary.shards_settled = newest_materialization(instance, plan.shard_keys)
@@ -68,4 +74,5 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
                     summary.failed["(global)"] = _failure_message(result)
         except KeyboardInterrupt:  # a signal between two runs: nothing of ours was in flight
             pass
+    bar.close()
     summary.stopped_by = stop.signum

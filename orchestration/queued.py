@@ -22,6 +22,7 @@ from shardprep_dagster.assets.shard_runs import REBUILD_TAG
 from shardprep_dagster.orchestration.instance import instance_lock
 from shardprep_dagster.orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
 from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
+from shardprep_dagster.orchestration.progress import ShardProgress
 from shardprep_dagster.orchestration.recovery import recover_dead_runs
 from shardprep_dagster.orchestration.stop import Stop
 from shardprep_dagster.orchestration.summary import RunSummary
@@ -64,8 +65,8 @@ def _overlaps(pairs: Pairs, busy: Pairs) -> set[str]:
 class _Follower:
     """Waits for backfills, keeping the daemon alive, the bar current and the stop signal honoured."""
 
-    def __init__(self, instance: dg.DagsterInstance, stop: Stop, bar) -> None:
-        self.instance, self.stop, self.bar = instance, stop, bar
+    def __init__(self, instance: dg.DagsterInstance, stop: Stop, bar, progress: ShardProgress) -> None:
+        self.instance, self.stop, self.bar, self.progress = instance, stop, bar, progress
         self._daemon_checked = 0.0
         self._starts = 0
         self._cancelled: set[str] = set()
@@ -97,6 +98,7 @@ class _Follower:
             elif time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
                 self._check_daemon()
             states = {b: progress(self.instance, b) for b in ours + others}
+            settled_partitions: set[str] = set()
             if shards_of:
                 settled = set()
                 for state in (states[b] for b in ours):
@@ -104,7 +106,9 @@ class _Follower:
                     settled |= {f"{k.to_user_string()}/{s}" for k, shards in state.failed.items() for s in shards}
                 newly = [s for s, pairs in shards_of.items() if s not in counted and pairs <= settled]
                 counted.update(newly)
-                self.bar.update(len(newly))
+                settled_partitions.update(newly)
+            # the bar moves per shard, as the steps record outcomes (a block's shards one by one)
+            self.progress.poll(settled_partitions)
             if all(state.finished for state in states.values()):
                 return
             time.sleep(STOPPING_POLL_SECONDS if stopping else POLL_SECONDS)
@@ -158,9 +162,12 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
         raise ValueError("queued execution needs a persistent Dagster instance ($DAGSTER_HOME); "
                          "use --in-process with an ephemeral one")
     todo = plan.todo_shards()
-    bar = tqdm(total=len(todo), desc="shards", unit="shard", disable=not progress_bar, file=sys.stderr)
+    bar = tqdm(total=0, desc="shards", unit="shard", disable=not progress_bar, file=sys.stderr)
+    shard_progress = ShardProgress(plan, todo, bar)
+    bar.total = shard_progress.total
+    bar.refresh()
     with Stop(raise_between=False) as stop:
-        follower = _Follower(instance, stop, bar)
+        follower = _Follower(instance, stop, bar, shard_progress)
         ensure_daemon(instance)
         for _ in range(MAX_ROUNDS):  # others had some in flight: what is left of them is ours
             if not todo or stop.received() is not None:

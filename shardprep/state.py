@@ -264,13 +264,27 @@ def ensure(layout: Layout) -> None:
             _apply_journal(layout, files, after_rebuild=True)
 
 
-def fold(layout: Layout) -> int:
-    """Apply the journal to the tables and delete the files applied; the number of entries applied.
-    The first fold under an output root without an index builds it from the stamps first."""
-    if not _journal_files(layout) and (_has_index(layout) or not _stamped_artifacts(layout)):
+def read_new(layout: Layout, seen: set[str], since_ns: int = 0) -> tuple[list[dict], list[str]]:
+    """Journal entries of files not in ``seen`` and made at or after ``since_ns`` (``time.time_ns()``), and
+    those files' names (add them to ``seen``; ``fold(layout, files)`` folds exactly them): how a run
+    follows its shards as they finish."""
+    files = [n for n in _journal_files(layout)
+             if n not in seen and int(os.path.basename(n).split("-", 1)[0]) >= since_ns]
+    return _read_entries(layout, files), files
+
+
+def fold(layout: Layout, files: list[str] | None = None) -> int:
+    """Apply the journal (or only ``files`` of it) to the tables and delete the files applied; the number
+    of entries applied. The first fold under an output root without an index builds it from the stamps
+    first."""
+    if files is None and not _journal_files(layout) and (_has_index(layout) or not _stamped_artifacts(layout)):
         return 0  # nothing to apply (and nothing recorded yet: not even a lock file is made)
     with lock(layout.root, "state"):
-        files = _journal_files(layout)
+        listed = _journal_files(layout)
+        if files is not None:  # only those still there (another fold may have taken some)
+            present = set(listed)
+            listed = [n for n in files if n in present]
+        files = listed
         rebuilt = not _has_index(layout)
         if rebuilt:
             _rebuild_locked(layout)
@@ -369,5 +383,5 @@ def stamps_equal_index(layout: Layout, artifacts: Iterable[str]) -> dict[str, li
     return diffs
 
 
-__all__ = ["ArtifactState", "FORMAT", "SCHEMA", "clear", "ensure", "fold", "load", "rebuild", "record_done", "record_failed",
+__all__ = ["ArtifactState", "FORMAT", "SCHEMA", "clear", "ensure", "fold", "load", "read_new", "rebuild", "record_done", "record_failed",
            "record_removed", "record_started", "stamps_equal_index", "worker"]

@@ -127,3 +127,40 @@ def test_kill_9_in_the_middle_of_a_block_and_the_rerun_redoes_only_unfinished_sh
             meta = _latest(instance, "image_shards", "00000-00002")
             assert meta["shards"].value == 3 and meta["cached_shards"].value == 1
         assert state.stamps_equal_index(layout, PER_SHARD) == {}
+
+
+class _Bar:
+    def __init__(self):
+        self.moves: list[int] = []
+
+    def update(self, n: int) -> None:
+        self.moves.append(n)
+
+
+def test_the_progress_bar_moves_per_shard_as_the_journal_records_outcomes(tmp_path, image_site):
+    from types import SimpleNamespace
+
+    from shardprep.versions import write_stamp
+    from shardprep_dagster.orchestration.progress import ShardProgress
+
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[12], n_images=20, seed=4)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=4, shards_per_partition=3)
+    cfg = load_config(config)
+    register_sources(cfg)
+    layout = Layout(cfg.output_root)
+    plan = SimpleNamespace(cfg=cfg, assets_to_do=lambda p: [dg.AssetKey("source_parquet"), dg.AssetKey("image_shards")])
+    bar = _Bar()
+    progress = ShardProgress(plan, ["00000-00002"], bar)
+    assert progress.total == 3
+    write_stamp(layout, "source_parquet", "v", "00000")
+    progress.poll()
+    assert bar.moves == []  # one of its two assets only
+    write_stamp(layout, "image_shards", "v", "00000")
+    state.record_failed(layout, "source_parquet", "00001", "ValueError: bad rows")
+    state.record_failed(layout, "image_shards", "00001", "skipped")
+    progress.poll()
+    assert bar.moves == [2]  # 00000 done, 00001 failed: both settled, inside one block run
+    progress.poll({"00000-00002"})  # Dagster says the block is settled: its last shard too
+    assert bar.moves == [2, 1]
