@@ -16,6 +16,7 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG
 from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
+from shardprep.keys import parse_shard_ids
 from shardprep.ledger import load_ledger, shard_media
 from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
@@ -25,6 +26,7 @@ from shardprep_dagster.assets.partitions import shard_partitions
 from shardprep_dagster.resources.dataset import DatasetResource
 
 REBUILD_TAG = "shardprep/rebuild"  # a run tagged "true" rebuilds like ShardRunConfig(rebuild=True)
+SHARDS_TAG = "shardprep/shards"  # `run --shards 12-40,55`: a block run does only these of its shards
 LOCK_STRIPES = 256  # per-(asset, shard) locks share this many lock files
 DEVICE_TAG = "shardprep/device"  # + "/<asset>": the device a GPU step of the run leased
 CELERY_QUEUE_TAG = "dagster-celery/queue"  # with the Celery executor, the queue a step is sent to
@@ -137,6 +139,9 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     partitions = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
     layout, version = dataset.layout, dataset.versions[artifact]
     shards_of = partition_shards(dataset, partitions)
+    if context.run.tags.get(SHARDS_TAG):
+        ids = parse_shard_ids(context.run.tags[SHARDS_TAG])
+        shards_of = {p: [k for k in keys if int(k) in ids] for p, keys in shards_of.items()}
     keys = [k for p in partitions for k in shards_of[p]]
     rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     results: dict[str, dict[str, Any]] = {}

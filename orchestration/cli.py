@@ -45,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.verify:
             _verify(args.config, mark=True)
         summary = run_pipeline(args.config, rebuild=args.rebuild, progress=not args.no_progress,
-                               in_process=args.in_process)
+                               in_process=args.in_process, shards=args.shards)
     except ShardprepError as e:  # bad config, source or ledger: named, nothing was run
         print(f"shardprep: {e}", file=sys.stderr)
         return 2
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", required=True, help="dataset config YAML")
     run.add_argument("--rebuild", action="store_true", help="redo every shard, even complete ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--shards", help="only these shards, e.g. 12-40,55 (ids; a block runs only them)")
     run.add_argument("--in-process", action="store_true",
                      help="one shard after the other in this process, not through Dagster's run queue "
                           "(debugging; output roots only this process sees, such as memory://)")

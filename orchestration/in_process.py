@@ -9,6 +9,7 @@ import sys
 
 import dagster as dg
 
+from shardprep_dagster.assets.shard_runs import SHARDS_TAG
 from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
 from shardprep_dagster.orchestration.progress import ShardProgress
 from shardprep_dagster.orchestration.stop import Stop
@@ -39,7 +40,8 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
 
     job = plan.defs.resolve_job_def("shards_job")
     global_job = plan.defs.resolve_job_def("global_job")
-    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(),
+            **({SHARDS_TAG: plan.only_spec} if plan.only_spec is not None else {})}
     todo = plan.todo_shards()
     bar = tqdm(total=0, desc="shards", unit="shard", disable=not progress, file=sys.stderr)
     shard_progress = ShardProgress(plan, todo, bar)

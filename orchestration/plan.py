@@ -19,6 +19,7 @@ from dagster._core.events import DagsterEventType
 from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
+from shardprep.keys import partition_range
 from shardprep.layout import Layout
 from shardprep.ledger import Registration, load_ledger
 
@@ -130,6 +131,8 @@ class Plan:
     global_keys: list[dg.AssetKey]  # unpartitioned assets, dependency order
     todo: dict[str, list[dg.AssetKey]]  # shard -> assets missing or outdated
     rebuild: bool = False
+    only: set[str] | None = None  # `run --shards`: the shards selected (None: all)
+    only_spec: str | None = None  # ... as given, for the runs' tag
 
     @property
     def shards(self) -> list[str]:
@@ -137,7 +140,13 @@ class Plan:
         return self.registration.partitions or self.registration.all_keys
 
     def todo_shards(self) -> list[str]:
-        return [s for s in self.shards if self.rebuild or self.todo[s]]
+        return [s for s in self.shards if (self.rebuild or self.todo[s]) and self.selected(s)]
+
+    def selected(self, partition: str) -> bool:
+        """Whether ``partition`` holds a shard of the ``run --shards`` selection (always, without one)."""
+        if self.only is None:
+            return True
+        return any(f"{i:0{len(partition.split('-')[0])}d}" in self.only for i in partition_range(partition))
 
     def assets_to_do(self, shard: str) -> list[dg.AssetKey]:
         return self.shard_keys if self.rebuild else self.todo[shard]

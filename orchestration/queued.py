@@ -18,7 +18,7 @@ import time
 
 import dagster as dg
 
-from shardprep_dagster.assets.shard_runs import REBUILD_TAG
+from shardprep_dagster.assets.shard_runs import REBUILD_TAG, SHARDS_TAG
 from shardprep_dagster.orchestration.instance import instance_lock
 from shardprep_dagster.orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
 from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
@@ -46,6 +46,8 @@ def _tags(plan: Plan) -> dict[str, str]:
     tags = {CONFIG_TAG: plan.config_path, LAUNCHED_BY_TAG: f"shardprep run, pid {os.getpid()} on {socket.gethostname()}"}
     if plan.rebuild:
         tags[REBUILD_TAG] = "true"
+    if plan.only_spec is not None:
+        tags[SHARDS_TAG] = plan.only_spec
     return tags
 
 

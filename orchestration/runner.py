@@ -16,6 +16,8 @@ import dagster as dg
 
 from shardprep import state
 from shardprep.config import config_url
+from shardprep.errors import ShardprepError
+from shardprep.keys import parse_shard_ids
 from shardprep.layout import Layout
 from shardprep.ledger import Registration, register_sources
 from shardprep_dagster.assets.partitions import SHARD_PARTITIONS
@@ -65,10 +67,24 @@ def make_plan(config_path: str, instance: dg.DagsterInstance, rebuild: bool = Fa
     return plan
 
 
+def _selection(spec: str, registration: Registration) -> set[str]:
+    try:
+        ids = parse_shard_ids(spec)
+    except ValueError as e:
+        raise ShardprepError(f"--shards: {e}") from None
+    keys = {k for k in registration.all_keys if int(k) in ids}
+    if not keys:
+        raise ShardprepError(f"--shards {spec}: no registered shard is in this selection "
+                             f"({len(registration.all_keys)} shards registered)")
+    return keys
+
+
 def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = True,
-                 instance: dg.DagsterInstance | None = None, in_process: bool = False) -> RunSummary:
+                 instance: dg.DagsterInstance | None = None, in_process: bool = False,
+                 shards: str | None = None) -> RunSummary:
     """Register new source rows, then materialize every (asset, shard) that is missing or outdated and
-    the unpartitioned assets after them (queued through Dagster's daemons, or ``in_process``)."""
+    the unpartitioned assets after them (queued through Dagster's daemons, or ``in_process``).
+    ``shards``: only these (``12-40,55``); a block holding one of them does only the selected ones."""
     config_path = config_url(config_path)
     # a bad config or source is named before the instance is opened (nothing to recover for it)
     cfg, _ = load_dataset(config_path)
@@ -77,6 +93,8 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
     instance = instance or get_instance()
     recover_dead_runs(instance)
     plan = make_plan(config_path, instance, rebuild, registration=registration)
+    if shards is not None:
+        plan.only, plan.only_spec = _selection(shards, registration), shards
     summary = RunSummary(plan.shards, plan.registration.new_keys,
                          appended_sources=plan.registration.appended_sources,
                          empty_sources=plan.registration.empty_sources,

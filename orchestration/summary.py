@@ -50,6 +50,8 @@ def finish(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary) -> Run
     for shard, assets in incomplete_shards(plan.cfg, plan.versions, [k.path[-1] for k in plan.shard_keys]).items():
         if plan.registration.shards_per_partition > 1 or shard not in missing:
             missing.setdefault(shard, []).extend(a for a in assets if a not in missing.get(shard, []))
+    if plan.only is not None:  # `run --shards`: the truth about the selected shards (and the globals)
+        missing = {s: assets for s, assets in missing.items() if s in plan.only}
     summary.materialized = {k.to_user_string(): len(current[k] & set(plan.shards)) for k in plan.shard_keys}
     others = f" (waited for backfill(s) {', '.join(summary.waited_on)} of another process)" if summary.waited_on else ""
     if summary.stopped_by is not None:

@@ -55,6 +55,17 @@ def partition_range(key: str) -> range:
     return range(int(first), int(last or first) + 1)
 
 
+def parse_shard_ids(spec: str) -> set[int]:
+    """The shard ids of a selection such as ``12-40,55`` (ranges inclusive; keys or plain numbers)."""
+    ids: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+            raise ValueError(f"not a shard selection: {part!r} (write e.g. 12-40,55)")
+        ids.update(range(int(first), int(last or first) + 1))
+    return ids
+
+
 def index_of_key(key: str, index_width: int) -> int:
     """Row of a sample inside its shard, as DALLE2's loader reads it (``int(key[-w:])``)."""
     return int(key[-index_width:]) if index_width > 0 else 0

@@ -164,3 +164,25 @@ def test_the_progress_bar_moves_per_shard_as_the_journal_records_outcomes(tmp_pa
     assert bar.moves == [2]  # 00000 done, 00001 failed: both settled, inside one block run
     progress.poll({"00000-00002"})  # Dagster says the block is settled: its last shard too
     assert bar.moves == [2, 1]
+
+
+def test_run_shards_targets_single_shards_inside_a_block(tmp_path, image_site, tiny_clip_dir):
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[40], n_images=120, seed=6)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=10, shards_per_partition=4, image_size=32, allow_private_addresses=True,
+                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    layout = Layout(str(tmp_path / "out"))
+    with dg.instance_for_test() as instance:
+        with pytest.raises(Exception, match="not a shard selection"):
+            run_pipeline(config, instance=instance, progress=False, in_process=True, shards="3-1")
+        some = run_pipeline(config, instance=instance, progress=False, in_process=True, shards="1-2")
+        assert some.ok, some.failed  # the truth about the selected shards
+        stamped = {s for s in ("00000", "00001", "00002", "00003") if read_stamp(layout, "image_shards", s)}
+        assert stamped == {"00001", "00002"}
+        # the block is materialized in Dagster, but the index knows two of its shards are not done
+        rest = run_pipeline(config, instance=instance, progress=False, in_process=True)
+        assert rest.ok, rest.failed
+        assert all(read_stamp(layout, a, s) for a in PER_SHARD for s in ("00000", "00003"))
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).runs == 0
