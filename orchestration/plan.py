@@ -62,14 +62,16 @@ def incomplete_shards(cfg: DatasetConfig, versions: dict[str, str], names: list[
     if ledger is None:
         return {}
     states = state.load(layout, names)
-    shards = ledger.shards()
+    by_media = ledger.keys_by_media()
     out: dict[str, list[str]] = {}
     for name in names:
-        record, current = ARTIFACTS[name], states[name].complete(versions[name])
-        for shard in shards:
-            if shard.key not in current and record.applies(shard.media):
-                out.setdefault(shard.key, []).append(name)
-    return out
+        current = states[name].complete(versions[name])
+        for media, keys in by_media.items():
+            if ARTIFACTS[name].applies(media):
+                for key in keys:
+                    if key not in current:
+                        out.setdefault(key, []).append(name)
+    return dict(sorted(out.items()))
 
 
 def stale_in_index(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, set[str]]:

@@ -84,9 +84,7 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
     versions = artifact_versions(cfg)
     names = [a for a in ARTIFACTS if enabled(a, cfg)]
     ledger = load_ledger(layout)
-    by_media: dict[str, list[str]] = {"image": [], "video": []}
-    for entry in ledger.files if ledger else []:
-        by_media[media_of(entry)].extend(s.key for s in ledger.file_shards(entry))
+    by_media = ledger.keys_by_media() if ledger else {"image": [], "video": []}
     try:
         states = state.load(layout, names)
     except OSError:  # a root this process may not write: the journal is applied in memory
@@ -143,7 +141,6 @@ def media_note(config_path: str) -> str:
     """A line saying how many shards are image and video shards, when there are video shards (each
     per-shard asset is materialized for both kinds; one of them only says "not applicable")."""
     from shardprep.config import ConfigError
-    from shardprep.ledger import media_of
 
     try:
         ledger = load_ledger(Layout(load_config(config_url(config_path)).output_root))

@@ -154,6 +154,13 @@ class Ledger:
     def keys(self) -> list[str]:
         return list(self._by_key())
 
+    def keys_by_media(self) -> dict[str, list[str]]:
+        """``{"image": [keys], "video": [keys]}`` in id order (no Shard objects: 580,000 of them cost a second)."""
+        out: dict[str, list[str]] = {"image": [], "video": []}
+        for key, row in self._by_key().items():
+            out[row[4]].append(key)
+        return out
+
     def partition_of(self, key: str) -> str:
         """The Dagster partition key of shard ``key``."""
         return partition_key(self.shard(key).shard_id, self.shards_per_partition, self.oom_shard_count)
