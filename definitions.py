@@ -9,7 +9,7 @@ from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncod
 from shardprep_dagster.resources.dataset import load_dataset
 from shardprep_dagster.resources.executor import executor_for
 from shardprep_dagster.resources.settings import Settings, load_settings
-from shardprep_dagster.sensors import new_source_files_sensor
+from shardprep_dagster.sensors import new_source_files_sensor, shard_work_sensor
 
 
 def _batched(assets: list[dg.AssetsDefinition], settings: Settings, blocks: bool) -> list[dg.AssetsDefinition]:
@@ -39,6 +39,15 @@ def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definit
     settings = settings or load_settings()
     dataset = DatasetResource(config_path=config_path)
     per_shard, global_ = _enabled(per_shard_assets, config_path), _enabled(global_assets, config_path)
+    blocks = exists(config_path) and load_dataset(config_path)[0].shards_per_partition > 1
+    sensors = [new_source_files_sensor(settings.sensor_interval)]
+    if blocks:
+        # at dataset scale the state index drives the per-shard assets (sensors/shard_work.py); Dagster's
+        # declarative automation keeps the global assets' schedule
+        per_shard = [a.map_asset_specs(lambda spec: spec.replace_attributes(automation_condition=None))
+                     for a in per_shard]
+        sensors.append(shard_work_sensor([a.key.path[-1] for a in per_shard], settings.automation_interval,
+                                         running=settings.automation))
     shards_job = dg.define_asset_job("shards_job", selection=dg.AssetSelection.assets(*per_shard),
                                      description="Every per-shard asset for one shard (or a range of shards).")
     global_job = dg.define_asset_job("global_job", selection=dg.AssetSelection.assets(*global_),
@@ -51,10 +60,9 @@ def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definit
         minimum_interval_seconds=settings.automation_interval,
     )
     return dg.Definitions(
-        assets=_batched([*per_shard, *global_], settings, blocks=exists(config_path)
-                        and load_dataset(config_path)[0].shards_per_partition > 1),
+        assets=_batched([*per_shard, *global_], settings, blocks),
         jobs=[shards_job, global_job],
-        sensors=[new_source_files_sensor(settings.sensor_interval), automation],
+        sensors=[*sensors, automation],
         resources={"dataset": dataset, "clip": ClipResource(dataset=dataset), "nemo": NemoEncoders(dataset=dataset)},
         executor=executor_for(settings),  # SHARDPREP_EXECUTOR: in the run's process, or Celery workers
     )

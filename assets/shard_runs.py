@@ -191,8 +191,13 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             metadata={"failed_shards": dg.MetadataValue.json(failures),
                       "per_shard": _per_shard(results, failures)},
         )
-    checks = [_check_result(check[0], {k: check[1](k) for k in keys if kinds.get(k, media) == media})] \
-        if check else None
+    checks = None
+    if check:
+        outcomes = {k: check[1](k) for k in keys if kinds.get(k, media) == media}
+        for k, o in outcomes.items():
+            if not o.passed:  # the index gates downstream work on it, as Dagster's blocking check does
+                state.record_failed(layout, artifact, k, f"check {check[0]} failed: {o.description}")
+        checks = [_check_result(check[0], outcomes)]
     # the version is each partition's data version: the one tag Dagster indexes per partition
     return dg.MaterializeResult(metadata=_figures(results, version), check_results=checks,
                                 data_version=dg.DataVersion(version))

@@ -17,7 +17,6 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG
 from dagster._core.events import DagsterEventType
 
 from shardprep import state
-from shardprep.artifacts import ARTIFACTS
 from shardprep.config import DatasetConfig
 from shardprep.keys import partition_range
 from shardprep.layout import Layout
@@ -54,24 +53,10 @@ def todo_by_shard(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey], v
 
 
 def incomplete_shards(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, list[str]]:
-    """``{shard: [asset]}`` where the state index (``shardprep.state``: per-shard truth) says the shard's
-    outputs of the asset are not complete at its version: a shard new to a block, one redone by
-    ``verify`` or ``reshard``, one whose step died with its process."""
+    """``state.incomplete`` of the config's output root (``{shard: [asset]}``)."""
     layout = Layout(cfg.output_root)
     ledger = load_ledger(layout)
-    if ledger is None:
-        return {}
-    states = state.load(layout, names)
-    by_media = ledger.keys_by_media()
-    out: dict[str, list[str]] = {}
-    for name in names:
-        current = states[name].complete(versions[name])
-        for media, keys in by_media.items():
-            if ARTIFACTS[name].applies(media):
-                for key in keys:
-                    if key not in current:
-                        out.setdefault(key, []).append(name)
-    return dict(sorted(out.items()))
+    return state.incomplete(ledger, state.load(layout, names), versions) if ledger else {}
 
 
 def stale_in_index(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, set[str]]:

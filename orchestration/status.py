@@ -65,7 +65,8 @@ def _shard_status(name: str, st: state.ArtifactState, keys: list[str], version: 
     current = t.filter(pc.fill_null(pc.equal(versions, version), False))
     other = t.filter(pc.fill_null(pc.not_equal(versions, version), False))
     current_keys = set(current.column("shard").to_pylist())
-    failed = {s for s in st.failures() if s not in current_keys} | (upstream_failed - current_keys)
+    # the last attempt failed (a blocking check included), or an upstream shard's did and this one waits
+    failed = set(st.failures()) | (upstream_failed - current_keys)
     failed &= set(keys) if failed else set()
     running = {s for s, (_, who) in st.started().items() if _running(who)} - failed
     other_keys = set(other.column("shard").to_pylist())

@@ -38,6 +38,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shardprep.artifacts import ARTIFACTS
 from shardprep.layout import Layout
 from shardprep.storage import exists, lock, read_parquet, url_to_fs, write_bytes, write_parquet
 
@@ -149,11 +150,11 @@ def _apply(table: pa.Table, entries: list[dict]) -> pa.Table:
         # then an older journal entry of the same shard, must keep what the stamp says
         if kind in ("done", "failed") and row["started_at"] is not None and e.get("j", t) >= row["started_at"]:
             row.update(started_at=None, worker=None)  # the start has its outcome
+        if kind == "done" and row["failed_at"] is not None and row["failed_at"] <= e.get("j", t):
+            row.update(failure=None, failed_at=None)  # found complete since: the failure is over
         if kind in ("done", "removed") and (row["written_at"] is None or t >= row["written_at"]):
             if kind == "done":
                 row.update(version=e["version"], written_at=t, outputs=json.dumps(e["outputs"], sort_keys=True))
-                if row["failed_at"] is not None and row["failed_at"] <= t:
-                    row.update(failure=None, failed_at=None)
             else:  # the time of the removal is kept, so an older "done" applied later loses
                 row.update(version=None, written_at=t, outputs=None)
         elif kind == "failed" and (row["failed_at"] is None or t >= row["failed_at"]):
@@ -367,6 +368,22 @@ def load(layout: Layout, artifacts: Iterable[str], *, fold_first: bool = True) -
     return out
 
 
+def incomplete(ledger, states: dict[str, ArtifactState], versions: dict[str, str]) -> dict[str, list[str]]:
+    """``{shard: [artifact]}``, in shard order, where the index says the shard's outputs of the artifact
+    (one of ``states``) are not complete at its version, for the shards of the media it applies to: a
+    shard new to a block, one redone by ``verify`` or ``reshard``, one whose step died with its process."""
+    by_media = ledger.keys_by_media()
+    out: dict[str, list[str]] = {}
+    for name, st in states.items():
+        current = st.complete(versions[name])
+        for media, keys in by_media.items():
+            if ARTIFACTS[name].applies(media):
+                for key in keys:
+                    if key not in current:
+                        out.setdefault(key, []).append(name)
+    return dict(sorted(out.items()))
+
+
 def stamps_equal_index(layout: Layout, artifacts: Iterable[str]) -> dict[str, list[str]]:
     """``{artifact: [shards whose index entry differs from the stamp]}``, empty when the index mirrors
     the stamps exactly (version, time and output sizes): reads every stamp, for tests and ``verify``."""
@@ -383,5 +400,5 @@ def stamps_equal_index(layout: Layout, artifacts: Iterable[str]) -> dict[str, li
     return diffs
 
 
-__all__ = ["ArtifactState", "FORMAT", "SCHEMA", "clear", "ensure", "fold", "load", "read_new", "rebuild", "record_done", "record_failed",
+__all__ = ["ArtifactState", "FORMAT", "SCHEMA", "clear", "ensure", "fold", "incomplete", "load", "read_new", "rebuild", "record_done", "record_failed",
            "record_removed", "record_started", "stamps_equal_index", "worker"]

@@ -186,3 +186,44 @@ def test_run_shards_targets_single_shards_inside_a_block(tmp_path, image_site, t
         assert rest.ok, rest.failed
         assert all(read_stamp(layout, a, s) for a in PER_SHARD for s in ("00000", "00003"))
         assert run_pipeline(config, instance=instance, progress=False, in_process=True).runs == 0
+
+
+def test_with_blocks_the_state_index_drives_automation(tmp_path, image_site, tiny_clip_dir):
+    from shardprep_dagster.definitions import build_defs
+    from shardprep_dagster.resources.dataset import DatasetResource
+    from shardprep_dagster.sensors.shard_work import pending_work
+
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[50], n_images=120, seed=7)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=20, shards_per_partition=3, image_size=32, allow_private_addresses=True,
+                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    layout = Layout(str(tmp_path / "out"))
+    defs = build_defs(config)
+    sensor = defs.get_sensor_def("shard_work")
+    graph = defs.resolve_asset_graph()
+    # the per-shard assets have no declarative condition: the sensor carries them (the globals keep theirs)
+    assert all(graph.get(dg.AssetKey(a)).automation_condition is None for a in PER_SHARD)
+    assert graph.get(dg.AssetKey("dataset_report")).automation_condition is not None
+    with dg.instance_for_test() as instance:
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
+
+        def tick() -> list[dg.RunRequest]:
+            context = dg.build_sensor_context(instance=instance, resources={"dataset": DatasetResource(config_path=config)})
+            result = sensor(context)
+            return [] if isinstance(result, dg.SkipReason) else list(result)
+
+        assert tick() == []  # everything complete
+        synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[30], n_images=120,
+                                       seed=8, prefix="zz-new")
+        register_sources(load_config(config))  # as new_source_files does: shards 00003, 00004
+        (request,) = tick()
+        assert request.partition_key == "00003-00005"
+        assert [k.path[-1] for k in request.asset_selection] == PER_SHARD
+        assert tick()[0].run_key == request.run_key  # a replayed tick asks for nothing new
+        # a shard whose last attempt failed is not retried, nor anything downstream of it
+        state.record_failed(layout, "source_parquet", "00004", "ValueError: rows changed")
+        work = pending_work(DatasetResource(config_path=config))
+        assert work == {"00003-00005": {a: ["00003"] for a in PER_SHARD}}
+        assert tick()[0].run_key != request.run_key
