@@ -1,30 +1,48 @@
-"""Dagster at LAION-scale partition counts: what shardprep's planning, status, launching, automation and
-the UI's partition page cost with N shard partitions, on the embedded SQLite instance or PostgreSQL.
+"""Dagster at LAION-scale shard counts: what shardprep's planning, status, launching, automation and the
+UI's partition page cost with N shards in Dagster partitions of K shards (``shards_per_partition``), on
+the embedded SQLite instance or PostgreSQL.
 
-    python bench/partitions.py --shards 100000 --storage sqlite|postgres [--materialized 0.99]
+    python bench/partitions.py --shards 600000 --shards-per-partition 100 --storage sqlite|postgres
+        [--materialized 0.99] [--missing scattered|blocks] [--profile]
 
 Builds a synthetic dataset (128 tiny source files, as LAION-2B-en ships 128 parquet files, and a
-ledger giving them N shards: nothing is downloaded), a fresh instance (a new DAGSTER_HOME with the
-checkout's dagster.yaml, or dagster.postgres.yaml pointed at a database of its own, dropped at the
-end), then times each step and prints a JSON object and a markdown table.
+ledger giving them N shards in blocks of K: nothing is downloaded), a fresh instance (a new DAGSTER_HOME
+with the checkout's dagster.yaml, or dagster.postgres.yaml pointed at a database of its own, dropped at
+the end), then times each step and prints a JSON object and a markdown table.
 
-Populating: the first events go through ``instance.report_runless_asset_event`` (timed, to
+What is missing: ``1 - --materialized`` of the shards (1%), drawn one by one (``--missing scattered``,
+the default: with blocks of 100 most blocks hold one) or as whole blocks (``--missing blocks``). The
+two sides agree, as a run leaves them: the state index (``shardprep.state``) has a row per present
+shard at its artifact's version; Dagster has a materialization of each partition (block) all of whose
+shards are present (a block with a failed shard is not materialized: ``assets.shard_runs``).
+
+Populating Dagster: the first events go through ``instance.report_runless_asset_event`` (timed, to
 extrapolate); the rest are copies of the event row Dagster wrote for that asset, the partition
 replaced, bulk-inserted into the index's ``event_logs`` and ``asset_event_tags`` tables (the two
 tables every read below uses). SQLite's per-run event shards are not written: no read here uses
 them. Only materializations are written (no planned events, no runs), so nothing is failed or in
 progress. The last event of each asset goes through Dagster again, so the asset record is current.
+
+Populating the state index: each artifact's table is written directly (``state.SCHEMA``, one row per
+present shard, outputs ``{}``) with the index's meta file, as ``state.ensure`` leaves it, instead of
+millions of stamps and journal entries.
+
+``shardprep status`` is timed as the real command in a subprocess (whole process: imports included).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
 import os
+import pstats
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +53,7 @@ sys.path.insert(0, str(CHECKOUT))
 
 SOURCE_FILES = 128  # LAION-2B-en's parquet files
 SAMPLES_PER_SHARD = 10_000
-SAMPLED_EVENTS = 2_000  # events written one by one through Dagster, to extrapolate from
-LAUNCH_SHARDS = 1_000
+SAMPLED_EVENTS = 200  # events written one by one through Dagster, to extrapolate from
 PG_DB = "shardprep_scale"
 # what a shard's materialization carries besides its version (``assets.shard_runs``)
 METADATA = {"samples": 10000, "successes": 9132, "failed_to_download": 801, "failed_to_resize": 67,
@@ -64,6 +81,8 @@ def timed(results: dict, step: str, fn, *args, limit: int = 600, **kwargs):
     try:
         out = fn(*args, **kwargs)
         results[step] = round(time.perf_counter() - start, 2)
+        if _expired:  # the step's code caught the stop (e.g. in a thread pool's wait) and went on to the end
+            results[step] = f"{results[step]} (ran past the {limit} s limit: the stop was swallowed)"
         return out
     except Exception:
         if not _expired:
@@ -73,6 +92,28 @@ def timed(results: dict, step: str, fn, *args, limit: int = 600, **kwargs):
     finally:
         signal.alarm(0)
         print(f"  {step}: {results[step]}", file=sys.stderr, flush=True)
+
+
+def profiled(results: dict, step: str, fn, *args, top: int = 5, **kwargs):
+    """Run ``fn`` under cProfile; record its ``top`` functions by own time (and print 15 to stderr)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn(*args, **kwargs)
+    finally:
+        prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats("cumulative").print_stats(25)
+    print(f"---- profile: {step}\n{out.getvalue()}", file=sys.stderr, flush=True)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # (file, line, fn) -> (cc, nc, tt, ct, ..)
+    results[f"profile {step} (top {top} by own time: function, calls, own s, cumulative s)"] = [
+        f"{Path(f).name}:{line} {name}, {nc}, {tt:.2f}, {ct:.2f}" for (f, line, name), (cc, nc, tt, ct, _) in rows]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 # ---------------------------------------------------------------- instance and dataset
@@ -102,9 +143,10 @@ def prepare_home(work: Path, storage: str) -> None:
     os.environ["DAGSTER_HOME"] = str(home)
 
 
-def make_dataset(work: Path, n: int) -> Path:
-    """Source files, config and a ledger of ``n`` shards spread over the files (as registration
-    would write it: the files' fingerprints match, so a run registers nothing new)."""
+def make_dataset(work: Path, n: int, per_partition: int) -> Path:
+    """Source files, config and a ledger of ``n`` shards spread over the files, in Dagster partitions of
+    ``per_partition`` shards (as registration would write it: the files' fingerprints match, so a run
+    registers nothing new)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -117,10 +159,11 @@ def make_dataset(work: Path, n: int) -> Path:
     table = pa.table({"url": ["http://127.0.0.1/a.jpg"], "caption": ["a"]})
     for i in range(SOURCE_FILES):
         pq.write_table(table, src / f"part-{i:05d}.parquet")
-    oom = max(5, len(str(n - 1)))  # LAION-5B's 580,000 shards need 6 digits
+    # shard_key pads to oom_shard_count digits: LAION-5B's 580,000 shards need 6 (a block's last id too)
+    oom = max(5, len(str(n - 1 + per_partition)))
     config = work / "shardprep.yaml"
     config.write_text(f"source: {src}/*.parquet\noutput_root: {out}\noom_shard_count: {oom}\n"
-                      f"samples_per_shard: {SAMPLES_PER_SHARD}\n")
+                      f"samples_per_shard: {SAMPLES_PER_SHARD}\nshards_per_partition: {per_partition}\n")
     files, first = [], 0
     for i, url in enumerate(list_source_files(f"{src}/*.parquet")):
         count = n // SOURCE_FILES + (i < n % SOURCE_FILES)
@@ -130,9 +173,53 @@ def make_dataset(work: Path, n: int) -> Path:
                                                     "row_stop": rows}]})
         first += count
     (out / "ledger.json").write_text(json.dumps({"version": LEDGER_VERSION, "samples_per_shard": SAMPLES_PER_SHARD,
-                                                 "oom_shard_count": oom, "files": files}))
+                                                 "oom_shard_count": oom, "shards_per_partition": per_partition,
+                                                 "files": files}))
     os.environ["SHARDPREP_CONFIG"] = str(config)  # the code location the UI and daemons load serves it
     return config
+
+
+def choose_missing(shards: list[str], partition_of: dict[str, str], share: float, how: str) -> set[str]:
+    """The shards not materialized: ``share`` of them, one by one or as whole partitions (blocks)."""
+    rng = random.Random(0)
+    if how == "scattered":
+        return set(rng.sample(shards, round(len(shards) * share)))
+    partitions = list(dict.fromkeys(partition_of.values()))
+    chosen = set(rng.sample(partitions, max(1, round(len(partitions) * share))))
+    return {s for s in shards if partition_of[s] in chosen}
+
+
+def write_state_index(config: Path, shards: list[str], missing: set[str]) -> dict[str, int]:
+    """The state index as runs leave it: per artifact one table (``state.SCHEMA``) with a row per present
+    shard at the artifact's version (image artifacts: every shard is an image shard here), the
+    unpartitioned artifacts' ``_all`` row, and the meta file ``state.ensure`` writes; no journal."""
+    import pyarrow as pa
+
+    from shardprep import state
+    from shardprep.artifacts import ARTIFACTS, enabled
+    from shardprep.config import load_config
+    from shardprep.layout import Layout
+    from shardprep.storage import write_bytes, write_parquet
+    from shardprep.versions import ALL_SHARDS, artifact_versions
+
+    cfg = load_config(str(config))
+    layout, versions = Layout(cfg.output_root), artifact_versions(cfg)
+    present = [s for s in shards if s not in missing]  # id order: zero-padded keys, so sorted too
+    now = time.time()
+    rows = {}
+    for name, record in ARTIFACTS.items():
+        if not enabled(name, cfg) or not record.applies("image"):
+            continue  # video artifacts have no row for an image shard (materialized as "not applicable")
+        keys = present if record.partitioned else [ALL_SHARDS]
+        n = len(keys)
+        table = pa.Table.from_arrays([
+            pa.array(keys, pa.string()), pa.array([versions[name]] * n, pa.string()),
+            pa.array([now] * n, pa.float64()), pa.array(["{}"] * n, pa.string()), pa.nulls(n, pa.string()),
+            pa.nulls(n, pa.float64()), pa.nulls(n, pa.float64()), pa.nulls(n, pa.string())], schema=state.SCHEMA)
+        write_parquet(layout.state_table(name), table)
+        rows[name] = n
+    write_bytes(state._meta_url(layout), json.dumps({"format": state.FORMAT, "rebuilt_at": now}).encode("utf-8"))
+    return rows
 
 
 # ---------------------------------------------------------------- step 1: registering partitions
@@ -159,16 +246,20 @@ class CrashAfter:
 
 
 def register(instance, keys: list[str], results: dict) -> None:
+    """The ledger's partition keys into the instance (``register_partitions``, 10k chunks); with more
+    than 10 chunks, first a call that dies after 30% of them."""
     from shardprep_dagster.orchestration.runner import SHARD_PARTITIONS, register_partitions
 
     chunks = len(keys) // 10_000 * 3 // 10  # 30% of the chunks, then the process dies
-    start = time.perf_counter()
-    try:
-        register_partitions(CrashAfter(instance, chunks), keys)
-    except Crash:
-        pass
-    results["1a register: crash at 30%"] = round(time.perf_counter() - start, 2)
-    added = timed(results, "1b register: full call after the crash", register_partitions, instance, keys)
+    if chunks:
+        start = time.perf_counter()
+        try:
+            register_partitions(CrashAfter(instance, chunks), keys)
+        except Crash:
+            pass
+        results["1a register: crash at 30%"] = round(time.perf_counter() - start, 2)
+    step = "1b register: full call after the crash" if chunks else "1b register: all partitions"
+    added = timed(results, step, register_partitions, instance, keys)
     assert added == len(keys) - chunks * 10_000, added
     assert timed(results, "1c register: re-run (adds nothing)", register_partitions, instance, keys) == 0
     stored = timed(results, "1d get_dynamic_partitions", instance.get_dynamic_partitions, SHARD_PARTITIONS)
@@ -178,17 +269,17 @@ def register(instance, keys: list[str], results: dict) -> None:
 # ---------------------------------------------------------------- step 2: populating
 
 
-def materialize_one(instance, key, shard: str, version: str) -> None:
+def materialize_one(instance, key, partition: str, version: str) -> None:
     import dagster as dg
     from dagster._core.definitions.data_version import CODE_VERSION_TAG, DATA_VERSION_TAG
 
     instance.report_runless_asset_event(dg.AssetMaterialization(
-        asset_key=key, partition=shard, tags={DATA_VERSION_TAG: version, CODE_VERSION_TAG: version},
+        asset_key=key, partition=partition, tags={DATA_VERSION_TAG: version, CODE_VERSION_TAG: version},
         metadata={**METADATA, "version": version}))
 
 
-def bulk_copy(instance, key, shards: list[str], batch: int = 20_000) -> None:
-    """Copies of the asset's latest event row for ``shards``, with their data-version tag rows."""
+def bulk_copy(instance, key, partitions: list[str], batch: int = 20_000) -> None:
+    """Copies of the asset's latest event row for ``partitions``, with their data-version tag rows."""
     import sqlalchemy as db
     from dagster._core.events import DagsterEventType
     from dagster._core.storage.event_log.schema import AssetEventTagsTable as Tags
@@ -203,8 +294,8 @@ def bulk_copy(instance, key, shards: list[str], batch: int = 20_000) -> None:
     head, tail = row["event"].split(f'"{row["partition"]}"', 1)
     assert f'"{row["partition"]}"' not in tail  # the partition occurs once: a plain replace is right
     base = {c: row[c] for c in ("run_id", "dagster_event_type", "timestamp", "step_key", "asset_key")}
-    for i in range(0, len(shards), batch):
-        part = shards[i:i + batch]
+    for i in range(0, len(partitions), batch):
+        part = partitions[i:i + batch]
         with instance.event_log_storage.index_connection() as conn:
             last = conn.execute(db.select(db.func.max(Events.c.id))).scalar() or 0
             conn.execute(Events.insert(), [{**base, "partition": s, "event": f'{head}"{s}"{tail}'} for s in part])
@@ -216,10 +307,11 @@ def bulk_copy(instance, key, shards: list[str], batch: int = 20_000) -> None:
 
 
 def populate(instance, shard_keys, versions: dict, present: list[str], results: dict) -> None:
+    """A materialization of each partition in ``present`` for each of ``shard_keys``."""
     sample = present[:min(SAMPLED_EVENTS, len(present) // 2)]
     start = time.perf_counter()
-    for shard in sample:
-        materialize_one(instance, shard_keys[0], shard, versions[shard_keys[0].path[-1]])
+    for partition in sample:
+        materialize_one(instance, shard_keys[0], partition, versions[shard_keys[0].path[-1]])
     per_event = (time.perf_counter() - start) / len(sample)
     total = len(present) * len(shard_keys)
     results["2a report_runless_asset_event, s/event"] = round(per_event, 5)
@@ -236,6 +328,28 @@ def populate(instance, shard_keys, versions: dict, present: list[str], results: 
     results["2c bulk insert, all events (s)"] = round(time.perf_counter() - start, 1)
     print(f"  populated: {results['2c bulk insert, all events (s)']} s", file=sys.stderr, flush=True)
     results["2d events written"] = total
+
+
+# ---------------------------------------------------------------- step 3: `shardprep status`
+
+
+def status_command(config: Path, limit: int) -> str:
+    """The real ``shardprep status`` in its own process (what a user waits for: imports included)."""
+    out = subprocess.run([str(CHECKOUT / ".venv" / "bin" / "shardprep"), "status", "--config", str(config)],
+                         capture_output=True, text=True, timeout=limit, env=dict(os.environ))
+    if out.returncode:
+        raise RuntimeError(f"shardprep status failed ({out.returncode}): {out.stderr[-3000:]}")
+    return out.stdout
+
+
+def status_counts(table: str) -> dict[str, int]:
+    """``{asset: materialized}`` of the per-shard assets in ``shardprep status``'s table."""
+    out = {}
+    for line in table.splitlines()[1:]:
+        cells = line.split()
+        if len(cells) >= 7 and cells[1].isdigit():
+            out[cells[0]] = int(cells[1])
+    return out
 
 
 # ---------------------------------------------------------------- steps 5-7: the code location's view
@@ -284,18 +398,27 @@ def backfill_iteration(ctx) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, default=100_000)
+    parser.add_argument("--shards-per-partition", type=int, default=1,
+                        help="the config's shards_per_partition: Dagster partitions are blocks of this many shards")
     parser.add_argument("--storage", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--materialized", type=float, default=0.99, help="share of shards materialized")
-    parser.add_argument("--step-limit", type=int, default=600, help="seconds before a step is stopped")
-    parser.add_argument("--skip", default="", help="steps not to run, comma-separated: automation,ui,launch")
+    parser.add_argument("--missing", choices=["scattered", "blocks"], default="scattered",
+                        help="the shards not materialized: drawn one by one, or as whole blocks")
+    parser.add_argument("--step-limit", type=int, default=300, help="seconds before a step is stopped")
+    parser.add_argument("--automation-limit", type=int, default=120, help="seconds before an automation tick is stopped")
+    parser.add_argument("--skip", default="", help="steps not to run, comma-separated: automation,ui,launch,sensor")
+    parser.add_argument("--profile", action="store_true", help="also profile make_plan and status in this process")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and database")
     args = parser.parse_args(argv)
 
-    work = Path(tempfile.mkdtemp(prefix=f"partitions-{args.storage}-{args.shards}-"))
-    results: dict = {"shards": args.shards, "storage": args.storage}
+    work = Path(tempfile.mkdtemp(prefix=f"partitions-{args.storage}-{args.shards}-{args.shards_per_partition}-"))
+    results: dict = {"shards": args.shards, "shards_per_partition": args.shards_per_partition,
+                     "storage": args.storage, "missing": args.missing,
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load average at start": load_average()}
     try:
         run(args, work, results)
     finally:
+        results["load average at end"] = load_average()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
             if args.storage == "postgres":
@@ -309,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, work: Path, results: dict) -> None:
     prepare_home(work, args.storage)
-    config = make_dataset(work, args.shards)
+    config = make_dataset(work, args.shards, args.shards_per_partition)
     limit, skip = args.step_limit, set(args.skip.split(","))
 
     import dagster as dg
@@ -318,44 +441,57 @@ def run(args, work: Path, results: dict) -> None:
     from shardprep.layout import Layout
     from shardprep.ledger import load_ledger
     from shardprep.versions import artifact_versions
+    from shardprep_dagster.definitions import build_defs
     from shardprep_dagster.orchestration.instance import get_instance
     from shardprep_dagster.orchestration.launch import launch
     from shardprep_dagster.orchestration.runner import make_plan
-    from shardprep_dagster.orchestration.status import asset_statuses, load_defs
+    from shardprep_dagster.orchestration.status import asset_statuses
 
     instance = get_instance()
-    keys = load_ledger(Layout(load_config(str(config)).output_root)).keys()
-    register(instance, keys, results)
+    ledger = load_ledger(Layout(load_config(str(config)).output_root))
+    shards, partitions = ledger.keys(), ledger.partition_keys()
+    partition_of = {s: ledger.partition_of(s) for s in shards}
+    results["partitions"] = len(partitions)
+    register(instance, partitions, results)
 
-    defs = timed(results, "build_defs (code location)", load_defs, str(config))
+    defs = timed(results, "build_defs (code location)", build_defs, str(config))
     graph = defs.resolve_asset_graph()
     shard_keys = [k for k in graph.toposorted_asset_keys
                   if graph.get(k).partitions_def is not None and graph.get(k).is_materializable]
     versions = artifact_versions(load_config(str(config)))
-    missing = set(random.Random(0).sample(keys, round(len(keys) * (1 - args.materialized))))
-    present = [k for k in keys if k not in missing]
+    missing = choose_missing(shards, partition_of, 1 - args.materialized, args.missing)
+    todo = {partition_of[s] for s in missing}  # partitions holding a missing shard: not materialized
+    present = [p for p in partitions if p not in todo]
+    results["shards missing"], results["partitions to do"] = len(missing), len(todo)
     populate(instance, shard_keys, versions, present, results)
     results["per-shard assets"] = len(shard_keys)
+    rows = timed(results, "2e state index written (tables + meta)", write_state_index, config, shards, missing)
+    results["index rows per image artifact"] = max(rows.values())
 
-    statuses = timed(results, "3a status (cold: builds Dagster's status cache)", asset_statuses, instance, defs,
-                     limit=limit)
-    timed(results, "3b status (warm)", asset_statuses, instance, defs, limit=limit)
-    if statuses:
-        results["status: materialized of first asset"] = statuses[0].materialized
-    plan = timed(results, "4 make_plan (1% missing)", make_plan, str(config), instance, limit=limit)
+    out = timed(results, "3a `shardprep status` subprocess (first)", status_command, config, limit, limit=limit)
+    if out:
+        counts = status_counts(out)
+        results["status: materialized source_parquet"] = counts.get("source_parquet")
+        assert counts.get("source_parquet") == len(shards) - len(missing), out
+    timed(results, "3b `shardprep status` subprocess (again)", status_command, config, limit, limit=limit)
+    timed(results, "3c asset_statuses in process", asset_statuses, str(config), limit=limit)
+    plan = timed(results, "4 make_plan (1% of shards missing)", make_plan, str(config), instance, limit=limit)
     if plan:
-        assert len(plan.todo_shards()) == len(missing), (len(plan.todo_shards()), len(missing))
+        assert set(plan.todo_shards()) == todo, (len(plan.todo_shards()), len(todo))
+    if args.profile:
+        profiled(results, "make_plan", make_plan, str(config), instance)
+        profiled(results, "asset_statuses", asset_statuses, str(config))
 
     def tick():
         return dg.evaluate_automation_conditions(defs, instance)
 
     result = None
     if "automation" not in skip:
-        result = timed(results, "6a automation tick (first, no cursor)", tick, limit=limit)
+        result = timed(results, "6a automation tick (first, no cursor)", tick, limit=args.automation_limit)
     if result is not None:
         results["automation: requested"] = result.total_requested
         timed(results, "6b automation tick (second, with cursor)", dg.evaluate_automation_conditions, defs,
-              instance, cursor=result.cursor, limit=limit)
+              instance, cursor=result.cursor, limit=args.automation_limit)
 
     def source_tick():
         from shardprep_dagster.resources.dataset import DatasetResource
@@ -364,7 +500,8 @@ def run(args, work: Path, results: dict) -> None:
         context = dg.build_sensor_context(instance=instance)
         return detect_new_source_files(context, DatasetResource(config_path=str(config)))
 
-    timed(results, "6c new_source_files sensor tick (nothing new)", source_tick, limit=limit)
+    if "sensor" not in skip:
+        timed(results, "6c new_source_files sensor tick (nothing new)", source_tick, limit=limit)
 
     with workspace(instance) as ctx:
         asset = shard_keys[-1]
@@ -379,12 +516,15 @@ def run(args, work: Path, results: dict) -> None:
         if "launch" in skip:
             return
 
-        todo = sorted(missing)[:LAUNCH_SHARDS]
-        pairs = {k: set(todo) for k in shard_keys}
-        timed(results, f"5a launch backfill ({len(todo)} shards x {len(shard_keys)} assets)", launch, instance,
+        # what `shardprep run` launches for this plan: every (asset, partition) to do
+        pairs: dict = {}
+        for p in plan.todo_shards() if plan else sorted(todo):
+            for k in plan.todo[p] if plan else shard_keys:
+                pairs.setdefault(k, set()).add(p)
+        timed(results, f"5a launch backfill ({len(todo)} partitions x {len(pairs)} assets)", launch, instance,
               pairs, tags={}, title="bench", limit=limit)
-        timed(results, "5b one backfill daemon iteration", backfill_iteration, ctx, limit=limit)
-        results["runs queued by the iteration"] = instance.get_runs_count()
+        timed(results, "5b one backfill daemon iteration (submits runs)", backfill_iteration, ctx, limit=limit)
+        results["runs submitted by the iteration"] = instance.get_runs_count()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from dagster._core.events import DagsterEventType
 
 from shardprep import state
 from shardprep.config import DatasetConfig
-from shardprep.keys import partition_range
+from shardprep.keys import partition_key, partition_range
 from shardprep.layout import Layout
 from shardprep.ledger import Registration, load_ledger
 
@@ -61,13 +61,11 @@ def incomplete_shards(cfg: DatasetConfig, versions: dict[str, str], names: list[
 
 def stale_in_index(cfg: DatasetConfig, versions: dict[str, str], names: list[str]) -> dict[str, set[str]]:
     """``{partition: {asset}}`` holding a shard ``incomplete_shards`` names."""
-    incomplete = incomplete_shards(cfg, versions, names)
-    if not incomplete:
-        return {}
-    ledger = load_ledger(Layout(cfg.output_root))
     out: dict[str, set[str]] = {}
-    for shard, assets in incomplete.items():
-        out.setdefault(ledger.partition_of(shard), set()).update(assets)
+    for shard, assets in incomplete_shards(cfg, versions, names).items():
+        # the config's sharding is the ledger's (checked at registration): no second ledger load
+        block = partition_key(int(shard), cfg.shards_per_partition, cfg.oom_shard_count)
+        out.setdefault(block, set()).update(assets)
     return out
 
 

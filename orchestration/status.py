@@ -54,28 +54,33 @@ def _running(worker: str) -> bool:
     return host != state.worker().rpartition(":")[0] or not pid.isdigit() or pid_alive(int(pid))
 
 
-def _shard_status(name: str, st: state.ArtifactState, keys: list[str], version: str,
-                  upstream_failed: set[str]) -> AssetStatus:
+def _shard_status(name: str, st: state.ArtifactState, keys, version: str, upstream_failed: set[str]) -> AssetStatus:
+    """Counted in Arrow (``keys``: an array of the shards the asset applies to); only the few failed or
+    running shards become Python objects (580,000 shards: a Python set per asset cost seconds)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    t = st.table
-    t = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(keys, pa.string())))
+    t = st.table.filter(pc.is_in(st.table.column("shard"), value_set=keys))
     versions = t.column("version")
-    current = t.filter(pc.fill_null(pc.equal(versions, version), False))
-    other = t.filter(pc.fill_null(pc.not_equal(versions, version), False))
-    current_keys = set(current.column("shard").to_pylist())
+    is_current = pc.fill_null(pc.equal(versions, version), False)
+    is_other = pc.fill_null(pc.not_equal(versions, version), False)
     # the last attempt failed (a blocking check included), or an upstream shard's did and this one waits
-    failed = set(st.failures()) | (upstream_failed - current_keys)
-    failed &= set(keys) if failed else set()
-    running = {s for s, (_, who) in st.started().items() if _running(who)} - failed
-    other_keys = set(other.column("shard").to_pylist())
-    written = current.column("written_at").to_pylist() + other.column("written_at").to_pylist()
+    failed = set(t.filter(pc.is_valid(t.column("failure"))).column("shard").to_pylist())
+    if upstream_failed:  # those of this asset's shards, unless complete here all the same
+        waiting = pa.array(sorted(upstream_failed), pa.string())
+        waiting = waiting.filter(pc.is_in(waiting, value_set=keys))
+        current = t.filter(pc.and_(is_current, pc.is_in(t.column("shard"), value_set=waiting)))
+        failed |= set(waiting.to_pylist()) - set(current.column("shard").to_pylist())
+    running = {r["shard"] for r in t.filter(pc.is_valid(t.column("started_at"))).select(["shard", "worker"]).to_pylist()
+               if _running(r["worker"])} - failed
+    special = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(sorted(failed | running), pa.string())))
+    done_special = special.filter(pc.fill_null(pc.equal(special.column("version"), version), False)).num_rows
+    other_special = special.filter(pc.fill_null(pc.not_equal(special.column("version"), version), False)).num_rows
+    written = pc.max(t.filter(pc.is_valid(versions)).column("written_at")).as_py()
     return AssetStatus(name, True, total=len(keys),
-                       materialized=len(current_keys - failed - running),
-                       outdated=len(other_keys - failed - running),
-                       failed=len(failed), in_progress=len(running & set(keys)),
-                       last_materialized=max((w for w in written if w is not None), default=None))
+                       materialized=pc.sum(is_current).as_py() - done_special if len(t) else 0,
+                       outdated=pc.sum(is_other).as_py() - other_special if len(t) else 0,
+                       failed=len(failed), in_progress=len(running), last_materialized=written)
 
 
 def asset_statuses(config_path: str) -> list[AssetStatus]:
@@ -85,6 +90,8 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
     versions = artifact_versions(cfg)
     names = [a for a in ARTIFACTS if enabled(a, cfg)]
     ledger = load_ledger(layout)
+    import pyarrow as pa
+
     by_media = ledger.keys_by_media() if ledger else {"image": [], "video": []}
     try:
         states = state.load(layout, names)
@@ -102,7 +109,7 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
                                    outdated=int(done and r["version"] != versions[name]),
                                    last_failed=r.get("failed_at") if failed_after else None))
             continue
-        keys = [k for m, ks in by_media.items() if record.applies(m) for k in ks]
+        keys = pa.array([k for m, ks in by_media.items() if record.applies(m) for k in ks], pa.string())
         upstream = set().union(*(failed_by.get(p, set()) for p in record.parents))
         s = _shard_status(name, st, keys, versions[name], upstream)
         failed_by[name] = set(st.failures()) | upstream

@@ -155,10 +155,13 @@ class Ledger:
         return list(self._by_key())
 
     def keys_by_media(self) -> dict[str, list[str]]:
-        """``{"image": [keys], "video": [keys]}`` in id order (no Shard objects: 580,000 of them cost a second)."""
+        """``{"image": [keys], "video": [keys]}`` in id order, straight from the segments (the shard index
+        and a Shard per shard cost seconds at 580,000 shards; this a tenth of one)."""
         out: dict[str, list[str]] = {"image": [], "video": []}
-        for key, row in self._by_key().items():
-            out[row[4]].append(key)
+        width = self.oom_shard_count
+        for first, n, media in sorted((seg["first_shard"], seg["num_shards"], media_of(f))
+                                      for f in self.files for seg in f["segments"]):
+            out[media].extend(f"{i:0{width}d}" for i in range(first, first + n))
         return out
 
     def partition_of(self, key: str) -> str:

@@ -371,16 +371,17 @@ def load(layout: Layout, artifacts: Iterable[str], *, fold_first: bool = True) -
 def incomplete(ledger, states: dict[str, ArtifactState], versions: dict[str, str]) -> dict[str, list[str]]:
     """``{shard: [artifact]}``, in shard order, where the index says the shard's outputs of the artifact
     (one of ``states``) are not complete at its version, for the shards of the media it applies to: a
-    shard new to a block, one redone by ``verify`` or ``reshard``, one whose step died with its process."""
-    by_media = ledger.keys_by_media()
+    shard new to a block, one redone by ``verify`` or ``reshard``, one whose step died with its process.
+    Compared in Arrow: at 580,000 shards a Python set per artifact costs seconds."""
+    keys = {m: pa.array(k, pa.string()) for m, k in ledger.keys_by_media().items() if k}
     out: dict[str, list[str]] = {}
     for name, st in states.items():
-        current = st.complete(versions[name])
-        for media, keys in by_media.items():
+        t = st.table
+        current = t.filter(pc.fill_null(pc.equal(t.column("version"), versions[name]), False)).column("shard")
+        for media, arr in keys.items():
             if ARTIFACTS[name].applies(media):
-                for key in keys:
-                    if key not in current:
-                        out.setdefault(key, []).append(name)
+                for key in arr.filter(pc.invert(pc.is_in(arr, value_set=current))).to_pylist():
+                    out.setdefault(key, []).append(name)
     return dict(sorted(out.items()))
 
 
