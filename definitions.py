@@ -11,13 +11,16 @@ from shardprep_dagster.resources.executor import executor_for
 from shardprep_dagster.resources.settings import Settings, load_settings
 from shardprep_dagster.sensors import new_source_files_sensor, shard_work_sensor
 
+# With shard blocks a run takes a range of up to this many blocks: 6,000 blocks of 100 (LAION-5B) are
+# ~100 runs; a block's complete shards cost a run nothing (orchestration.queued.fill_gaps)
+BLOCKS_PER_RUN = 64
+
 
 def _batched(assets: list[dg.AssetsDefinition], settings: Settings, blocks: bool) -> list[dg.AssetsDefinition]:
-    """Backfills take several shards per run, so each run loads its models once, not once per shard; a
-    partition that is a block of shards is such a batch already: one per run, so each materialization
-    carries its own block's figures."""
-    per_run = {**{a.key: 1 if blocks else settings.gpu_shards_per_run for a in batched("gpu")},
-               **{a.key: 1 if blocks else settings.download_shards_per_run for a in batched("download")}}
+    """Backfills take several shards per run, so each run loads its models once, not once per shard (with
+    shard blocks: several blocks)."""
+    per_run = {**{a.key: BLOCKS_PER_RUN if blocks else settings.gpu_shards_per_run for a in batched("gpu")},
+               **{a.key: BLOCKS_PER_RUN if blocks else settings.download_shards_per_run for a in batched("download")}}
     return [a.with_attributes(backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=per_run[a.key]))
             if a.key in per_run else a for a in assets]
 

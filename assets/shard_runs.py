@@ -148,10 +148,17 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     failures: dict[str, str] = {}
     media = ARTIFACTS[artifact].media
     kinds = shard_media(layout, keys) if media is not None else {}
-    state.record_started(layout, artifact, [k for k in keys if kinds.get(k, media) == media])
+    # complete at this version by the state index (which never claims more than the stamps): skipped
+    # without a lock or a stamp read, so a run over a range of blocks costs nothing for its complete ones
+    indexed = set() if rebuild else state.load(layout, [artifact], fold_first=False)[artifact].complete_among(
+        keys, version)
+    state.record_started(layout, artifact, [k for k in keys if kinds.get(k, media) == media and k not in indexed])
     for key in keys:
         if kinds.get(key, media) != media:
             results[key] = {"status": f"not applicable ({kinds[key]} shard)", "media": kinds[key]}
+            continue
+        if key in indexed:
+            results[key] = {"status": "cached"}
             continue
         try:
             # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
@@ -217,18 +224,25 @@ def _per_shard(results: dict[str, dict[str, Any]], failures: dict[str, str] | No
     return _table(rows)
 
 
+PER_SHARD_ROWS = 200  # above this many shards, the table lists only those not found complete
+
+
 def _figures(results: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
     """A materialization's metadata: one shard's own, or the shards' totals and a row per shard (a block,
-    or a batch of partitions)."""
+    or a batch of partitions; of a range of many blocks, the shards not found complete)."""
     if len(results) == 1:
         return {**next(iter(results.values())), "version": version, **worker_metadata()}
+    if len(results) > PER_SHARD_ROWS:
+        shown = {k: r for k, r in results.items() if r.get("status") != "cached"}
+    else:
+        shown = results
     summary: dict[str, Any] = {"shards": len(results), "version": version, **worker_metadata(),
                                "cached_shards": sum(r.get("status") == "cached" for r in results.values())}
     for name in ("samples", "successes", "failed_to_download", "failed_to_resize", "rows", "bytes", "seconds"):
         vals = [r[name] for r in results.values() if isinstance(r.get(name), (int, float))]
         if vals:
             summary[name] = sum(vals)
-    summary["per_shard"] = _per_shard(results)
+    summary["per_shard"] = _per_shard(shown)
     return summary
 
 

@@ -227,3 +227,36 @@ def test_with_blocks_the_state_index_drives_automation(tmp_path, image_site, tin
         work = pending_work(DatasetResource(config_path=config))
         assert work == {"00003-00005": {a: ["00003"] for a in PER_SHARD}}
         assert tick()[0].run_key != request.run_key
+
+
+def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tmp_path, image_site, tiny_clip_dir):
+    from shardprep.versions import remove_stamp
+    from shardprep_dagster.definitions import BLOCKS_PER_RUN, build_defs
+    from shardprep_dagster.orchestration.queued import fill_gaps
+
+    order = [f"b{i}" for i in range(12)]
+    assert fill_gaps(order, {"b0", "b2", "b3", "b11"}, max_gap=3) == {"b0", "b1", "b2", "b3", "b11"}
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[80], n_images=120, seed=9)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=10, shards_per_partition=2, image_size=32, allow_private_addresses=True,
+                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
+                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
+    layout = Layout(str(tmp_path / "out"))
+    defs = build_defs(config)
+    node = defs.resolve_asset_graph().get(dg.AssetKey("image_shards"))
+    assert node.backfill_policy.max_partitions_per_run == BLOCKS_PER_RUN  # a run takes a range of blocks
+    with dg.instance_for_test() as instance:
+        assert run_pipeline(config, instance=instance, progress=False, in_process=True).ok
+        before = {s: read_stamp(layout, "image_shards", s)["written_at"] for s in ("00000", "00003", "00006")}
+        for shard in ("00001", "00007"):  # one shard in the first block, one in the last
+            remove_stamp(layout, "image_shards", shard)
+        # one run over the range of all four blocks, as a filled backfill gives it
+        result = defs.resolve_job_def("shards_job").execute_in_process(
+            instance=instance, asset_selection=[dg.AssetKey("image_shards")],
+            tags={"dagster/asset_partition_range_start": "00000-00001", "dagster/asset_partition_range_end": "00006-00007"})
+        assert result.success
+        (mat,) = [m for m in result.asset_materializations_for_node("image_shards") if m.partition == "00000-00001"]
+        assert mat.metadata["shards"].value == 8 and mat.metadata["cached_shards"].value == 6
+        assert {s: read_stamp(layout, "image_shards", s)["written_at"] for s in before} == before  # untouched
+        assert read_stamp(layout, "image_shards", "00001") and read_stamp(layout, "image_shards", "00007")
