@@ -516,11 +516,15 @@ def run(args, work: Path, results: dict) -> None:
         if "launch" in skip:
             return
 
-        # what `shardprep run` launches for this plan: every (asset, partition) to do
-        pairs: dict = {}
-        for p in plan.todo_shards() if plan else sorted(todo):
-            for k in plan.todo[p] if plan else shard_keys:
-                pairs.setdefault(k, set()).add(p)
+        # what `shardprep run` launches for this plan: every (asset, partition) to do, with blocks the
+        # complete blocks between them filled in (orchestration.queued._shard_pairs)
+        if plan:
+            from shardprep_dagster.orchestration.queued import _shard_pairs
+
+            pairs = _shard_pairs(plan, plan.todo_shards())
+        else:
+            pairs = {k: set(todo) for k in shard_keys}
+        results["backfill partitions (filled)"] = max(map(len, pairs.values()), default=0)
         timed(results, f"5a launch backfill ({len(todo)} partitions x {len(pairs)} assets)", launch, instance,
               pairs, tags={}, title="bench", limit=limit)
         timed(results, "5b one backfill daemon iteration (submits runs)", backfill_iteration, ctx, limit=limit)
