@@ -10,6 +10,7 @@ config's versions as code versions in the UI.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import dagster as dg
@@ -18,7 +19,7 @@ from dagster._core.events import DagsterEventType
 
 from shardprep import state
 from shardprep.config import DatasetConfig
-from shardprep.keys import partition_key, partition_range
+from shardprep.keys import partition_key
 from shardprep.layout import Layout
 from shardprep.ledger import Registration, load_ledger
 
@@ -129,9 +130,11 @@ class Plan:
 
     def selected(self, partition: str) -> bool:
         """Whether ``partition`` holds a shard of the ``run --shards`` selection (always, without one)."""
-        if self.only is None:
-            return True
-        return any(f"{i:0{len(partition.split('-')[0])}d}" in self.only for i in partition_range(partition))
+        return self.only is None or partition in self._selected_partitions
+
+    @functools.cached_property
+    def _selected_partitions(self) -> set[str]:
+        return {partition_key(int(k), self.cfg.shards_per_partition, self.cfg.oom_shard_count) for k in self.only}
 
     def assets_to_do(self, shard: str) -> list[dg.AssetKey]:
         return self.shard_keys if self.rebuild else self.todo[shard]

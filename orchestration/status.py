@@ -12,6 +12,9 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from shardprep import state
 from shardprep.artifacts import ARTIFACTS, enabled
 from shardprep.config import config_url, load_config
@@ -57,9 +60,6 @@ def _running(worker: str) -> bool:
 def _shard_status(name: str, st: state.ArtifactState, keys, version: str, upstream_failed: set[str]) -> AssetStatus:
     """Counted in Arrow (``keys``: an array of the shards the asset applies to); only the few failed or
     running shards become Python objects (580,000 shards: a Python set per asset cost seconds)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     t = st.table.filter(pc.is_in(st.table.column("shard"), value_set=keys))
     versions = t.column("version")
     is_current = pc.fill_null(pc.equal(versions, version), False)
@@ -78,8 +78,8 @@ def _shard_status(name: str, st: state.ArtifactState, keys, version: str, upstre
     other_special = special.filter(pc.fill_null(pc.not_equal(special.column("version"), version), False)).num_rows
     written = pc.max(t.filter(pc.is_valid(versions)).column("written_at")).as_py()
     return AssetStatus(name, True, total=len(keys),
-                       materialized=pc.sum(is_current).as_py() - done_special if len(t) else 0,
-                       outdated=pc.sum(is_other).as_py() - other_special if len(t) else 0,
+                       materialized=(pc.sum(is_current).as_py() or 0) - done_special,
+                       outdated=(pc.sum(is_other).as_py() or 0) - other_special,
                        failed=len(failed), in_progress=len(running), last_materialized=written)
 
 
@@ -90,9 +90,8 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
     versions = artifact_versions(cfg)
     names = [a for a in ARTIFACTS if enabled(a, cfg)]
     ledger = load_ledger(layout)
-    import pyarrow as pa
-
     by_media = ledger.keys_by_media() if ledger else {"image": [], "video": []}
+    key_arrays: dict[tuple[str, ...], pa.Array] = {}  # by the media an asset applies to: built once
     try:
         states = state.load(layout, names)
     except OSError:  # a root this process may not write: the journal is applied in memory
@@ -109,7 +108,10 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
                                    outdated=int(done and r["version"] != versions[name]),
                                    last_failed=r.get("failed_at") if failed_after else None))
             continue
-        keys = pa.array([k for m, ks in by_media.items() if record.applies(m) for k in ks], pa.string())
+        medias = tuple(m for m in by_media if record.applies(m))
+        if medias not in key_arrays:
+            key_arrays[medias] = pa.array([k for m in medias for k in by_media[m]], pa.string())
+        keys = key_arrays[medias]
         upstream = set().union(*(failed_by.get(p, set()) for p in record.parents))
         s = _shard_status(name, st, keys, versions[name], upstream)
         failed_by[name] = set(st.failures()) | upstream

@@ -40,7 +40,9 @@ def pending_work(dataset: DatasetResource) -> dict[str, dict[str, list[str]]]:
     if ledger is None:
         return {}
     names = [a for a in PER_SHARD if enabled(a, cfg)]
-    states = state.load(layout, names, fold_first=False)
+    # folded here: the sensor runs where the work is driven (the daemon's machine), and with no
+    # `shardprep run` following the work nothing else keeps the journal short for the block steps
+    states = state.load(layout, names)
     # shards held back per asset: its own last attempt failed, or an upstream asset's (in dependency order)
     held: dict[str, set[str]] = {}
     for n in names:

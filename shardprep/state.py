@@ -63,37 +63,42 @@ def _relative(layout: Layout, url: str) -> str:
     return url[len(root):] if url.startswith(root) else url
 
 
-def _journal(layout: Layout, entries: list[dict]) -> None:
+def _journal(layout: Layout, artifact: str, entries: list[dict]) -> None:
     if not entries:
         return
     # time first: names sort in the order the entries were made (within a host), which is the order
-    # they are applied in
-    name = f"{time.time_ns():020d}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+    # they are applied in; then the artifact, so a reader of one artifact reads only its own files
+    name = f"{time.time_ns():020d}-{artifact}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
     write_bytes(f"{layout.state_journal}/{name}", json.dumps(entries).encode("utf-8"))
+
+
+def _artifact_of(name: str) -> str:
+    """The artifact a journal file is of (artifact names hold no "-")."""
+    return os.path.basename(name).split("-", 2)[1]
 
 
 def record_done(layout: Layout, artifact: str, shard: str, version: str, outputs: dict[str, int],
                 written_at: float) -> None:
     """``shard`` of ``artifact`` is complete at ``version`` (call after its stamp is written)."""
     # "j": when this was recorded (a shard found complete again, long after its stamp, ends its start)
-    _journal(layout, [{"a": artifact, "s": shard, "k": "done", "t": written_at, "j": time.time(), "version": version,
+    _journal(layout, artifact, [{"a": artifact, "s": shard, "k": "done", "t": written_at, "j": time.time(), "version": version,
                        "outputs": {_relative(layout, u): n for u, n in outputs.items()}}])
 
 
 def record_removed(layout: Layout, artifact: str, shard: str) -> None:
     """``shard`` of ``artifact`` is no longer complete (call before its stamp is removed)."""
-    _journal(layout, [{"a": artifact, "s": shard, "k": "removed", "t": time.time()}])
+    _journal(layout, artifact, [{"a": artifact, "s": shard, "k": "removed", "t": time.time()}])
 
 
 def record_failed(layout: Layout, artifact: str, shard: str, reason: str) -> None:
     """The last attempt at ``shard`` of ``artifact`` failed (its outputs, if any, are as they were)."""
-    _journal(layout, [{"a": artifact, "s": shard, "k": "failed", "t": time.time(), "failure": reason[:2000]}])
+    _journal(layout, artifact, [{"a": artifact, "s": shard, "k": "failed", "t": time.time(), "failure": reason[:2000]}])
 
 
 def record_started(layout: Layout, artifact: str, shards: Iterable[str]) -> None:
     """This process starts on ``shards`` of ``artifact`` (one journal file for all of them)."""
     now, who = time.time(), worker()
-    _journal(layout, [{"a": artifact, "s": s, "k": "started", "t": now, "worker": who} for s in shards])
+    _journal(layout, artifact, [{"a": artifact, "s": s, "k": "started", "t": now, "worker": who} for s in shards])
 
 
 # ---------------------------------------------------------------- reading the journal
@@ -194,7 +199,8 @@ def _stamps_of(layout: Layout, artifact: str) -> list[dict]:
             continue
         if isinstance(doc, dict) and isinstance(doc.get("version"), str):
             docs.append({"s": os.path.basename(name)[:-len(".json")], "k": "done", "t": doc.get("written_at") or 0.0,
-                         "version": doc["version"], "outputs": doc.get("outputs") or {}})
+                         "version": doc["version"],
+                         "outputs": {_relative(layout, u): n for u, n in (doc.get("outputs") or {}).items()}})
     return docs
 
 
@@ -220,8 +226,6 @@ def _rebuild_locked(layout: Layout) -> None:
         old = _read_table(layout, artifact)
         keep = old.select(["shard", "failure", "failed_at", "started_at", "worker"]).to_pylist()
         stamps = _stamps_of(layout, artifact)
-        for d in stamps:
-            d["outputs"] = {_relative(layout, u): n for u, n in d["outputs"].items()}
         entries = [{"s": r["shard"], "k": k, "t": r[t], **extra} for r in keep for k, t, extra in
                    (("failed", "failed_at", {"failure": r["failure"]}), ("started", "started_at", {"worker": r["worker"]}))
                    if r[t] is not None]
@@ -253,6 +257,13 @@ def _apply_journal(layout: Layout, files: list[str], after_rebuild: bool = False
     return len(entries)
 
 
+def _rebuild_and_fold(layout: Layout, files: list[str]) -> int:
+    """The tables made from the stamps, then ``files`` of the journal (listed before the stamps were
+    read) folded in for their failures and starts (the lock is held)."""
+    _rebuild_locked(layout)
+    return _apply_journal(layout, files, after_rebuild=True)
+
+
 def ensure(layout: Layout) -> None:
     """Start the index of this output root if it has none (at the start of a run: a new root gets an
     empty one at once, instead of a scan of every stamp the first time it is folded)."""
@@ -260,9 +271,7 @@ def ensure(layout: Layout) -> None:
         return
     with lock(layout.root, "state"):
         if not _has_index(layout):
-            files = _journal_files(layout)
-            _rebuild_locked(layout)
-            _apply_journal(layout, files, after_rebuild=True)
+            _rebuild_and_fold(layout, _journal_files(layout))
 
 
 def read_new(layout: Layout, seen: set[str], since_ns: int = 0) -> tuple[list[dict], list[str]]:
@@ -285,11 +294,9 @@ def fold(layout: Layout, files: list[str] | None = None) -> int:
         if files is not None:  # only those still there (another fold may have taken some)
             present = set(listed)
             listed = [n for n in files if n in present]
-        files = listed
-        rebuilt = not _has_index(layout)
-        if rebuilt:
-            _rebuild_locked(layout)
-        return _apply_journal(layout, files, after_rebuild=rebuilt)
+        if not _has_index(layout):
+            return _rebuild_and_fold(layout, listed)
+        return _apply_journal(layout, listed)
 
 
 def rebuild(layout: Layout) -> None:
@@ -297,9 +304,7 @@ def rebuild(layout: Layout) -> None:
     before the stamps are read is folded in for its failures and starts; entries written after the
     listing wait for the next fold."""
     with lock(layout.root, "state"):
-        files = _journal_files(layout)
-        _rebuild_locked(layout)
-        _apply_journal(layout, files, after_rebuild=True)
+        _rebuild_and_fold(layout, _journal_files(layout))
 
 
 def clear(layout: Layout) -> None:
@@ -368,7 +373,8 @@ def load(layout: Layout, artifacts: Iterable[str], *, fold_first: bool = True) -
         fold(layout)
         pending: dict[str, list[dict]] = {}
     else:
-        pending = _by_artifact(_read_entries(layout, _journal_files(layout)))
+        wanted = set(artifacts)
+        pending = _by_artifact(_read_entries(layout, [n for n in _journal_files(layout) if _artifact_of(n) in wanted]))
     out = {}
     for a in artifacts:
         table = _read_table(layout, a)
@@ -401,8 +407,7 @@ def stamps_equal_index(layout: Layout, artifacts: Iterable[str]) -> dict[str, li
     diffs: dict[str, list[str]] = {}
     states = load(layout, artifacts, fold_first=False)
     for a in artifacts:
-        stamped = {d["s"]: (d["version"], d["t"], {_relative(layout, u): n for u, n in d["outputs"].items()})
-                   for d in _stamps_of(layout, a)}
+        stamped = {d["s"]: (d["version"], d["t"], d["outputs"]) for d in _stamps_of(layout, a)}
         t = states[a].table.filter(pc.is_valid(states[a].table.column("version")))
         indexed = {r["shard"]: (r["version"], r["written_at"], json.loads(r["outputs"])) for r in t.to_pylist()}
         bad = sorted(s for s in stamped.keys() | indexed.keys() if stamped.get(s) != indexed.get(s))

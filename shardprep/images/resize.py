@@ -169,13 +169,19 @@ def _pad_white(img: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _fitted(resize_mode: str):
+    """``min`` where the shorter side is scaled to image_size (then cropped), ``max`` where the longer one is
+    (then padded): img2dataset's SmallestMaxSize / LongestMaxSize."""
+    return min if resize_mode in ("keep_ratio", "center_crop") else max
+
+
 def _plan_reduction(size: tuple[int, int], fmt: str | None, mode: str | None, resize_mode: str,
                     image_size: int) -> tuple[int, bool]:
     """(DCT reduction 1/2/4/8, greyscale) for a fast decode; reduction 1 means decode exactly."""
     if fmt != "JPEG" or mode not in ("RGB", "L") or resize_mode == "no":
         return 1, False  # CMYK/YCCK and other formats: OpenCV's exact decode, as img2dataset
     width, height = size
-    side = min(width, height) if resize_mode in ("keep_ratio", "center_crop") else max(width, height)
+    side = _fitted(resize_mode)(width, height)
     if side <= image_size:  # upscale or unchanged: nothing to gain
         return 1, False
     new_h, new_w = _target(height, width, image_size / side)
@@ -272,21 +278,16 @@ def resize_image(
         else:
             original_height, original_width = img.shape[:2]
 
-        if resize_mode in ("keep_ratio", "center_crop"):
-            downscale = min(original_width, original_height) > image_size
+        if resize_mode != "no":
+            side = _fitted(resize_mode)
+            downscale = side(original_width, original_height) > image_size
             if not resize_only_if_bigger or downscale:
                 inter = INTERPOLATIONS[downscale_interpolation if downscale else upscale_interpolation]
-                scale = image_size / min(original_height, original_width)
+                scale = image_size / side(original_height, original_width)
                 img = _resize(img, scale, inter, _target(original_height, original_width, scale))
                 if resize_mode == "center_crop":
                     img = _center_crop(img, image_size)
-        elif resize_mode in ("border", "keep_ratio_largest"):
-            downscale = max(original_width, original_height) > image_size
-            if not resize_only_if_bigger or downscale:
-                inter = INTERPOLATIONS[downscale_interpolation if downscale else upscale_interpolation]
-                scale = image_size / max(original_height, original_width)
-                img = _resize(img, scale, inter, _target(original_height, original_width, scale))
-                if resize_mode == "border":
+                elif resize_mode == "border":
                     img = _pad_white(img, image_size)
 
         height, width = img.shape[:2]
