@@ -337,3 +337,25 @@ def test_samples_read_by_key_are_the_streamed_ones(tmp_path, fmt):
     wanted = {list(streamed)[1], list(streamed)[3], "missing"}
     assert read_samples_by_key(str(path), wanted) == {k: streamed[k] for k in wanted if k in streamed}
     assert read_samples_by_key(str(path), {"missing"}) == {}
+
+
+@pytest.mark.parametrize("name", ["000000001.jpg", "a" * 96 + ".jpg", "a" * 97 + ".jpg", "dir/" * 30 + "x.json",
+                                  "键/ключ.txt", "000000003..pth"])
+@pytest.mark.parametrize("size,mtime", [(0, 0), (511, 1), (512, 1_700_000_000), (8 ** 11 - 1, 8 ** 11 - 1),
+                                        (8 ** 11, 0), (10 ** 12, 1_700_000_000)])
+def test_headers_are_tarfiles(name, size, mtime):
+    """The writer's own USTAR headers equal tarfile's, byte for byte, long names (prefix split)
+    included; what USTAR cannot hold (a name with no split, a size past the octal field) is the same
+    ValueError."""
+    from shardprep.tars import TAR_MODE, ustar_header
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid = size, mtime, TAR_MODE, 0, 0
+    info.uname = info.gname = "bigdata"
+    try:
+        expected = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    except ValueError as e:
+        with pytest.raises(ValueError, match=str(e)):
+            ustar_header(name, size, mtime)
+    else:
+        assert ustar_header(name, size, mtime) == expected

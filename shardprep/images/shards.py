@@ -40,6 +40,7 @@ from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, fe
 from shardprep.images.resize import resize_image
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
+from shardprep.sample_json import dumps_indented
 from shardprep.storage import atomic_write, remove
 from shardprep.tars import TarWriter
 
@@ -268,7 +269,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                 if outcome.status != "success":
                     continue
                 members: dict[str, bytes | str] = {cfg.encode_format: outcome.image,
-                                                   "json": json.dumps(meta, indent=4, default=str)}
+                                                   "json": dumps_indented(meta)}
                 if cfg.caption_col is not None:
                     caption = values["caption"][i]
                     members["txt"] = str(caption) if caption is not None else ""

@@ -44,6 +44,7 @@ from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.shards import shard_downloads
 from shardprep.keys import compute_key, shard_key
+from shardprep.sample_json import dumps_indented
 from shardprep.storage import join, remove, write_bytes, write_parquet
 from shardprep.tars import TarWriter
 from shardprep.video.clips import OOM_CLIP_COUNT, Transcoded, VideoSpec, parse_spans, transcode
@@ -275,7 +276,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                     for name in schema.names:
                         rows[name].append(sample[name])
                     members: dict[str, bytes | str] = {cfg.video_encode_format: data,
-                                                       "json": json.dumps(sample, indent=4, default=str)}
+                                                       "json": dumps_indented(sample)}
                     if cfg.video_caption_col is not None:
                         caption = values["caption"][i]
                         members["txt"] = str(caption) if caption is not None else ""
