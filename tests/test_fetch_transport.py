@@ -1,0 +1,110 @@
+"""fetch's own HTTP transport: HTTPS to the checked address with the host name for SNI and the
+certificate, kept-alive connections the server closed meanwhile replaced, and nothing reused after a
+body left unread."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import ssl
+import subprocess
+import threading
+import time
+
+import pytest
+
+from shardprep.fetch import fetch, make_pool
+
+BODY = os.urandom(200_000)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 0.3  # idle kept-alive connections are closed after this long
+
+    def log_message(self, format, *args):  # noqa: A002
+        pass
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/error":
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(BODY)))
+            self.end_headers()
+            self.wfile.write(BODY)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    accepted = 0
+
+    def handle_error(self, request, client_address):
+        pass  # the refused TLS handshakes of the test
+
+    def get_request(self):
+        sock, address = super().get_request()
+        self.accepted += 1
+        if getattr(self, "tls", None) is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True)
+        return sock, address
+
+
+@pytest.fixture
+def server():
+    srv = _Server(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for the name "localhost" (openssl's CLI)."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_kept_alive_connections_are_reused_and_replaced_once_the_server_closed_them(server):
+    url = f"http://127.0.0.1:{server.server_port}/x"
+    pool = make_pool(2)
+    assert fetch(url, pool=pool, timeout=5, allow_private=True).data == BODY
+    assert fetch(url, pool=pool, timeout=5, allow_private=True).data == BODY
+    assert (pool.connections_made, server.accepted) == (1, 1)
+    time.sleep(1.0)  # the server closes the idle connection: the next download opens a new one
+    assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+    assert (pool.connections_made, server.accepted) == (2, 2)
+    # an error's body is never read: that connection is closed, not reused
+    assert fetch(url.replace("/x", "/error"), pool=pool, timeout=5, allow_private=True).error == \
+        "HTTP Error 500: Internal Server Error"
+    assert pool.idle_connections() == 0
+    pool.clear()
+
+
+def test_https_connects_to_the_checked_address_and_verifies_the_host_name(server, certificate, monkeypatch):
+    cert, key = certificate
+    server.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.tls.load_cert_chain(cert, key)
+    url = f"https://localhost:{server.server_port}/x"
+    # not trusted: urllib's wording of the verification failure
+    got = fetch(url, pool=make_pool(2), timeout=5, allow_private=True)
+    assert got.data is None and got.error.startswith("<urlopen error") and "CERTIFICATE_VERIFY_FAILED" in got.error
+    # trusted (the certificate is its own CA): the download works through the pool's TLS context
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    pool = make_pool(2)
+    assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+    assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+    assert pool.connections_made == 1  # kept alive over TLS too
+    # the certificate names "localhost", not the address: asked for 127.0.0.1 the check fails
+    wrong = fetch(f"https://127.0.0.1:{server.server_port}/x", pool=pool, timeout=5, allow_private=True)
+    assert wrong.data is None and "CERTIFICATE_VERIFY_FAILED" in wrong.error
+    pool.clear()
