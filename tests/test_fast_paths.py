@@ -371,3 +371,47 @@ def test_write_clip_embeddings_fast_and_exact_align_around_skips(tmp_path, encod
     assert [s["key"] for s in fast.skipped] == [s["key"] for s in exact.skipped] and fast.skipped
     np.testing.assert_allclose(f_img.astype(np.float32), e_img.astype(np.float32), atol=2e-3)
     assert thread_split("cpu")[1] >= 1 and thread_split("cuda")[1] == 0
+
+
+def _header_cases():
+    """JPEGs of every kind the web serves (colour, grey, CMYK, progressive, with EXIF and ICC
+    segments), then the same with bytes of their segment area damaged."""
+    rng = random.Random(7)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation
+    cases = [_jpeg(64, 48), _jpeg(33, 17, mode="L"), _jpeg(40, 40, mode="CMYK")]
+    im = Image.fromarray(np.random.default_rng(1).integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    for kw in ({"progressive": True}, {"exif": exif}, {"icc_profile": b"\0" * 700},
+               {"optimize": True}, {"comment": b"hello"}):
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", **kw)
+        cases.append(buf.getvalue())
+    damaged = []
+    for data in cases:
+        for _ in range(40):
+            b = bytearray(data)
+            for _ in range(rng.randint(1, 3)):
+                b[rng.randrange(2, min(len(b), 900))] = rng.randrange(256)
+            damaged.append(bytes(b))
+        damaged.append(data[:rng.randrange(2, 300)])
+    return cases, damaged
+
+
+def test_fast_jpeg_header_reads_what_pil_reads():
+    """The segment walk gives PIL's size, format and mode, or nothing (PIL decides then): never a
+    different answer, on whole JPEGs and on damaged ones. Where damage is in a table PIL checks
+    (quantisation, Huffman) PIL refuses the header and the walk does not: the decoder decides then,
+    as in img2dataset, which decodes with OpenCV alone."""
+    cases, damaged = _header_cases()
+    for data in cases:
+        ours = resize._jpeg_header(data)
+        if ours is not None:
+            assert ours == resize._header(data)
+    assert sum(resize._jpeg_header(d) is not None for d in cases) == len(cases) - 1  # CMYK goes to PIL
+    both = 0
+    for data in damaged:
+        ours, pils = resize._jpeg_header(data), resize._header(data)
+        if ours is not None and pils is not None:
+            both += 1
+            assert ours == pils, data[:40]
+    assert both > len(damaged) // 4  # damage in scan data or unknown segments leaves the header readable

@@ -90,6 +90,39 @@ def _header(data: bytes) -> tuple[tuple[int, int], str | None, str | None] | Non
         return None
 
 
+# start-of-frame markers (baseline, extended, progressive, lossless; Huffman or arithmetic coded)
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def _jpeg_header(data: bytes) -> tuple[tuple[int, int], str, str] | None:
+    """What ``_header`` gives an 8-bit greyscale or colour JPEG (PIL's modes "L", "RGB"), read from its
+    frame header by walking the segments before it: ~2 us, where PIL's ``open`` parses them in Python
+    (~50 us a row). ``None`` for anything else (other depths and channel counts, segments that do
+    not walk cleanly), which PIL then reads as before."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD9:  # standalone markers: none belongs here
+            return None
+        if marker in _SOF:
+            if pos + 10 > n:
+                return None
+            precision, height, width, components = (data[pos + 4], (data[pos + 5] << 8) | data[pos + 6],
+                                                    (data[pos + 7] << 8) | data[pos + 8], data[pos + 9])
+            if precision != 8 or components not in (1, 3) or not width or not height:
+                return None
+            return (width, height), "JPEG", "L" if components == 1 else "RGB"
+        if marker == 0xDA:  # a scan before any frame header
+            return None
+        pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
+    return None
+
+
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from the image header without decoding pixels; ``None`` if PIL cannot tell."""
     h = _header(data)
@@ -246,7 +279,7 @@ def resize_image(
     if encode_format not in _ENCODE_FLAG:
         raise ValueError(f"encode_format must be one of {tuple(_ENCODE_FLAG)}, got {encode_format!r}")
     try:
-        header = _header(data)
+        header = (_jpeg_header(data) if fast_decode and data[:2] == b"\xff\xd8" else None) or _header(data)
         if header is None:
             # PIL knows every web image format; an image it cannot read the header of is not
             # decoded at all, because its size could not be checked first
