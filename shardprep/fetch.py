@@ -18,14 +18,17 @@ abandoned download is not a failed one, and a shard must not be written with it.
 
 from __future__ import annotations
 
+import email.parser
 import http.client
 import ipaddress
+import re
 import select
 import socket
 import ssl
 import sys
 import threading
 import time
+import types
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple
@@ -120,6 +123,31 @@ class _ConnectFailed(Exception):
     """connect() to one address failed (refused, unreachable, timed out): the next address is tried."""
 
 
+# a header line as email's parser splits it (name: no controls, space or colon), with nothing it would
+# treat otherwise (a continuation, a bare CR, a line without a colon)
+_PLAIN_HEADER = re.compile(r"[\x21-\x39\x3b-\x7e]+:[^\r\n]*\r?\n\Z")
+
+
+def parse_headers(fp, _class=http.client.HTTPMessage) -> http.client.HTTPMessage:
+    """``http.client.parse_headers``, the same message, without running email's feed parser over
+    plain header lines (~20 us of a response's ~250 us); anything else goes through it as before."""
+    lines = http.client._read_headers(fp)
+    msg = _class()
+    for raw in lines[:-1]:  # the last is the blank line (or the EOF) that ended them
+        line = raw.decode("iso-8859-1")
+        if not _PLAIN_HEADER.match(line):
+            return email.parser.Parser(_class=_class).parsestr(b"".join(lines).decode("iso-8859-1"))
+        name, value = line.split(":", 1)
+        msg._headers.append((name, value.lstrip(" \t").rstrip("\r\n")))  # compat32's header_source_parse
+    return msg
+
+
+class _Response(http.client.HTTPResponse):
+    # http.client's own begin(), reading headers with the parse_headers above
+    begin = types.FunctionType(http.client.HTTPResponse.begin.__code__,
+                               {**vars(http.client), "parse_headers": parse_headers}, "begin")
+
+
 class _Connection(http.client.HTTPConnection):
     """http.client's connection to an address already checked (the host name only goes into the Host
     header and, for HTTPS, SNI and the certificate check), with its socket tracked by the pool's abort
@@ -129,6 +157,8 @@ class _Connection(http.client.HTTPConnection):
     socket object (its fileno becomes -1) during the handshake, the duplicate stays valid, and
     shutdown() acts on the socket, whichever descriptor names it. It is closed with the connection, or
     the TCP connection would outlive close()."""
+
+    response_class = _Response
 
     def __init__(self, ip: str, port: int, timeout: float, switch: _AbortSwitch) -> None:
         super().__init__(ip, port, timeout=timeout)

@@ -108,3 +108,29 @@ def test_https_connects_to_the_checked_address_and_verifies_the_host_name(server
     wrong = fetch(f"https://127.0.0.1:{server.server_port}/x", pool=pool, timeout=5, allow_private=True)
     assert wrong.data is None and "CERTIFICATE_VERIFY_FAILED" in wrong.error
     pool.clear()
+
+
+HEADER_LINES = ["Content-Type: image/jpeg", "Content-Length: 12", "X-Robots-Tag: noai", "X-Robots-Tag: otherbot: noindex",
+                "Set-Cookie: a=b; Path=/", "Empty:", "Spaces:    padded   ", "Tab:\tvalue", "Latin: caf\xe9",
+                "Colon: a:b:c", " continued line", "\tcontinued too", "no colon here", ": empty name",
+                "Bad Name: x", "From someone", "Dup: 1", "dup: 2", "Bare\rCR: x"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_header_parsing_equals_http_clients(seed):
+    import http.client
+    import io
+    import random
+
+    from shardprep.fetch import parse_headers
+
+    rng = random.Random(seed)
+    lines = rng.sample(HEADER_LINES, rng.randint(0, 8))
+    end = rng.choice(["\r\n", "\n"])
+    raw = "".join(line + end for line in lines).encode("iso-8859-1") + rng.choice([b"\r\n", b"\n", b""])
+    theirs = http.client.parse_headers(io.BytesIO(raw))
+    ours = parse_headers(io.BytesIO(raw))
+    assert type(ours) is type(theirs)
+    assert ours.items() == theirs.items()
+    assert ours.get_all("x-robots-tag") == theirs.get_all("x-robots-tag")
+    assert ours.get("content-length") == theirs.get("content-length")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections import Counter
 from contextlib import closing
@@ -42,7 +41,7 @@ import pyarrow as pa
 
 from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
-from shardprep.images.shards import shard_downloads
+from shardprep.images.shards import Slots, shard_downloads
 from shardprep.keys import compute_key, shard_key
 from shardprep.sample_json import dumps_indented
 from shardprep.storage import join, remove, write_bytes, write_parquet
@@ -135,7 +134,7 @@ def _never() -> bool:
 
 
 def _process_row(item: tuple[Any, Any, str | None], *, download: Callable, spec: VideoSpec,
-                 slots: threading.Semaphore, stopped: Callable[[], bool] = _never) -> _Outcome:
+                 slots: Slots, stopped: Callable[[], bool] = _never) -> _Outcome:
     """Download + decode/cut/encode one row (in a pool thread: PyAV releases the GIL in FFmpeg).
     Downloads overlap freely; at most ``slots`` videos are decoded at once (cores, memory).
     ``stopped()``: the shard is being abandoned, so a video downloaded before that is not transcoded
@@ -248,7 +247,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                          allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent,
                          total_timeout=download_deadline(cfg)),
         spec=video_spec(cfg, ffmpeg_threads),
-        slots=threading.BoundedSemaphore(n_slots),
+        slots=Slots(n_slots),
         stopped=lambda: pool.aborted,
     )
     rows: dict[str, list] = {name: [] for name in schema.names}
