@@ -5,6 +5,7 @@ import json
 
 import dagster as dg
 
+from shardprep import state
 from shardprep.ledger import SourceChangedError, load_ledger, register_sources
 from shardprep.sources import SourceError, file_fingerprint, list_all_source_files
 from shardprep_dagster.assets import shard_partitions, source_parquet
@@ -66,6 +67,10 @@ def detect_new_source_files(context: dg.SensorEvaluationContext, dataset: Datase
     cursor = {"bad": bad, "changed": changed}
 
     ledger = load_ledger(dataset.layout)
+    if ledger is not None and ledger.shards_per_partition == 1:
+        # the journal of the steps' stamps, folded into the state index (with shard blocks the shard_work
+        # sensor does it): driven from the UI alone, nothing else would keep it short
+        state.fold(dataset.layout)
     known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
     new_keys = [k for k in (ledger.partition_keys() if ledger else []) if k not in known][:MAX_PARTITION_ADDS_PER_TICK]
     # a block already known that gained shards this tick runs again (for its new shards only)

@@ -255,3 +255,21 @@ def test_partition_adds_per_tick_are_capped(source, instance, monkeypatch):
         cursor = result.cursor
     assert batches == [["00000", "00001"], ["00002", "00003"], ["00004"], []]
     assert instance.get_dynamic_partitions("shards") == ["00000", "00001", "00002", "00003", "00004"]
+
+
+def test_each_tick_folds_the_state_journal(source, instance):
+    """Driven from the UI alone (one shard per partition: no shard_work sensor, no `shardprep run`),
+    the sensor's tick keeps the state index current and its journal short."""
+    from shardprep import state
+    from shardprep.versions import write_stamp
+
+    src, config = source
+    tick(instance, config)
+    layout = Layout(str(src.parent / "out"))
+    for key in ("00000", "00001"):
+        write_stamp(layout, "source_parquet", "v-test", key, {})  # as a step's stamp, journaled
+    assert state._journal_files(layout)
+    tick(instance, config)
+    assert state._journal_files(layout) == []
+    indexed = state.load(layout, ["source_parquet"], fold_first=False)["source_parquet"]
+    assert indexed.complete_among(["00000", "00001", "00002"], "v-test") == {"00000", "00001"}
