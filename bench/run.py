@@ -12,9 +12,9 @@ medians over the repetitions, peak memory of the whole process tree):
   same random CLIP (``bench/models.py``), on CPU.
 * ``loader``: shardprep's decoder dataloader vs DALLE2-pytorch's (``decoder_loader.py`` loaded by
   file path), one epoch over the same tars and reordered embeddings.
-* ``index``: ``update_energon_index`` vs ``energon prepare`` on 100 tars, plus an incremental
-  update (1 new tar over the 100 indexed).
-* ``chain``: end to end, one URL parquet (>= 20 shards) to image tars, CLIP embeddings, reordered
+* ``index``: ``update_energon_index`` vs ``energon prepare`` on 1,000 tars (``--quick``: 100), plus
+  an incremental update (1 new tar over those indexed).
+* ``chain``: end to end, one URL parquet (2 shards of 10,000 rows; ``--quick``: 10 of 100) to image tars, CLIP embeddings, reordered
   embeddings and an energon index: ``shardprep run`` with its defaults (Dagster's run queue, its own
   daemon, a fresh instance) vs the glue users write today, run one after the other: ``img2dataset``,
   ``clip-retrieval inference``, a reordering script (``bench/reorder_glue.py``, embedding-dataset-
@@ -59,11 +59,13 @@ WORK = os.path.join(HERE, "work")
 PAIRS = ("images", "clip", "loader", "index", "chain", "queue", "video", "gpu")
 
 MODES = {
-    # images: img2dataset's default shard size (10,000), two shards (one per process); the clip and
-    # loader pairs embed and load a small img2dataset output of their own ("feed")
-    "full": dict(site_images=240, image_rows=20_000, image_shard=10_000, image_reps=2, feed_rows=600, feed_shard=100,
-                 clip_copies=4, clip_reps=2, loader_copies=4, loader_reps=2,
-                 index_tars=100, index_samples=300, index_reps=2, chain_rows=5_000, chain_shard=250, chain_reps=1,
+    # the sizes users run (issue 22): images at img2dataset's default shard size (10,000), two shards (one
+    # per process); the clip and loader pairs embed and load an img2dataset output of their own ("feed",
+    # one 10,000-row tar): CLIP 3 copies (~28,500 samples), the loader 20 tars of 10,000 rows; the energon
+    # index 1,000 tars; the chain 2 shards of 10,000 rows
+    "full": dict(site_images=240, image_rows=20_000, image_shard=10_000, image_reps=2, feed_rows=10_000,
+                 feed_shard=10_000, clip_copies=3, clip_reps=2, loader_copies=20, loader_reps=2,
+                 index_tars=1_000, index_samples=300, index_reps=2, chain_rows=20_000, chain_shard=10_000, chain_reps=1,
                  video_files=30, video_seconds=6.0, video_shard=16, video_reps=1, gpu_samples=20_000),
     "quick": dict(site_images=120, image_rows=240, image_shard=60, image_reps=1, feed_rows=240, feed_shard=60,
                   clip_copies=1, clip_reps=1, loader_copies=1, loader_reps=1,
@@ -458,7 +460,8 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
         return [["energon index (vs energon prepare)", "samples indexed/s, whole process",
                  _fmt(_rate(n, o["wall"]), 0), _fmt(_rate(n, t["wall"]), 0), f"{ratio:.2f}x",
                  f">= {FLOORS['index']}x", "PASS" if ratio >= FLOORS["index"] else "FAIL"],
-                ["", "1 new tar over 100: update time / full index time", f"{inc * 100:.1f}%", "(no incremental mode)",
+                ["", f"1 new tar over {r['settings']['tars']:,}: update time / full index time", f"{inc * 100:.1f}%",
+                 "(no incremental mode)",
                  "", "< 5%", "PASS" if inc < 0.05 else "FAIL"],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
@@ -563,7 +566,7 @@ def _details(results: dict, errors: dict) -> list[str]:
         r = results["clip"]
         a, fdl, s, o, t, g = r["agreement"], r["fidelity"], r["settings"], r["ours"], r["theirs"], r["model"]
         L += ["### CLIP embeddings (CPU)", "",
-              f"- data: {s['tars']} tars of a small img2dataset output of the image pair's source (`images-feed`, 256 px JPEGs), {o['count']} samples",
+              f"- data: {s['tars']} copies of an img2dataset output of the image pair's source (`images-feed`, 256 px JPEGs), {o['count']} samples",
               f"- model: random-weight CLIP built like `tests.fixtures.tiny_clip` (`bench/models.py` SMALL_224: "
               f"{g['image_size']} px input, {g['patch_size']} px patches, width {g['width']}, {g['layers']} layers; "
               f"text width {g['text_width']}, {g['text_layers']} layers, 77 tokens), spec `hf_clip:<dir>` for both",
