@@ -1,6 +1,6 @@
 """shardprep's throughput benchmarks against the peer tools, side by side (``make bench``).
 
-    python bench/run.py [--quick] [--only images,clip,loader,index,chain,queue,video,gpu] [--reps N] [--out bench/RESULTS.md]
+    python bench/run.py [--quick] [--only images,clip,loader,index,chain,chain-1k,queue,video,gpu] [--reps N] [--out bench/RESULTS.md]
 
 Pairs (same data, same settings, each side a fresh process, runs alternated A/B then B/A,
 medians over the repetitions, peak memory of the whole process tree):
@@ -14,12 +14,13 @@ medians over the repetitions, peak memory of the whole process tree):
   file path), one epoch over the same tars and reordered embeddings.
 * ``index``: ``update_energon_index`` vs ``energon prepare`` on 1,000 tars (``--quick``: 100), plus
   an incremental update (1 new tar over those indexed).
-* ``chain``: end to end, one URL parquet (2 shards of 10,000 rows; ``--quick``: 10 of 100) to image tars, CLIP embeddings, reordered
+* ``chain`` / ``chain-1k``: end to end, one URL parquet (20,000 rows in 2 shards of 10,000 / in 20 shards of
+  1,000; ``--quick``: 10 of 100) to image tars, CLIP embeddings, reordered
   embeddings and an energon index: ``shardprep run`` with its defaults (Dagster's run queue, its own
   daemon, a fresh instance) vs the glue users write today, run one after the other: ``img2dataset``,
   ``clip-retrieval inference``, a reordering script (``bench/reorder_glue.py``, embedding-dataset-
   reordering's algorithm) and ``energon prepare`` (``bench/chain.py``).
-* ``queue``: the same multi-shard ``shardprep run`` through Dagster's run queue (shards in parallel)
+* ``queue``: the ``chain-1k`` ``shardprep run`` through Dagster's run queue (shards in parallel)
   vs ``--in-process`` (one shard after the other): what the run queue buys on this machine.
 * ``video``: ``write_video_shard`` (one per shard, P processes) vs video2dataset 1.3.0 (P processes,
   in its own venv) on the same WebVid-style parquet over served H.264 videos with motion, cut into
@@ -56,7 +57,7 @@ from measure import RunFailed, median, run_side  # noqa: E402
 from source import Server, make_index_tars, make_site, make_url_parquet  # noqa: E402
 
 WORK = os.path.join(HERE, "work")
-PAIRS = ("images", "clip", "loader", "index", "chain", "queue", "video", "gpu")
+PAIRS = ("images", "clip", "loader", "index", "chain", "chain-1k", "queue", "video", "gpu")
 
 MODES = {
     # the sizes users run (issue 22): images at img2dataset's default shard size (10,000), two shards (one
@@ -66,13 +67,16 @@ MODES = {
     "full": dict(site_images=240, image_rows=20_000, image_shard=10_000, image_reps=2, feed_rows=10_000,
                  feed_shard=10_000, clip_copies=3, clip_reps=2, loader_copies=20, loader_reps=2,
                  index_tars=1_000, index_samples=300, index_reps=2, chain_rows=20_000, chain_shard=10_000, chain_reps=1,
+                 chain_1k_rows=20_000, chain_1k_shard=1_000,
                  video_files=30, video_seconds=6.0, video_shard=16, video_reps=1, gpu_samples=20_000),
     "quick": dict(site_images=120, image_rows=240, image_shard=60, image_reps=1, feed_rows=240, feed_shard=60,
                   clip_copies=1, clip_reps=1, loader_copies=1, loader_reps=1,
                   index_tars=100, index_samples=60, index_reps=1, chain_rows=1_000, chain_shard=100, chain_reps=1,
+                  chain_1k_rows=1_000, chain_1k_shard=100,
                   video_files=8, video_seconds=4.0, video_shard=5, video_reps=1, gpu_samples=4_000),
 }
-FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "queue": 1.0, "video": 1.5}
+FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "chain-1k": 2.5, "queue": 1.0,
+          "video": 1.5}
 PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
 PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
             "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
@@ -297,25 +301,26 @@ def pair_index(m: dict, log: str) -> dict:
             "settings": {"tars": n, "samples_per_tar": k, "members_per_sample": 3, "energon_workers": PROCESSES}}
 
 
-def chain_source(m: dict, site: dict, server: Server) -> tuple[dict, dict]:
-    """The end-to-end source (URL parquet over the site) and the settings both sides of a chain run use."""
+def chain_source(m: dict, site: dict, server: Server, size: str = "chain") -> tuple[dict, dict]:
+    """The end-to-end source (URL parquet over the site) and the settings both sides of a chain run use;
+    ``size``: "chain" (img2dataset's 10,000-row shards) or "chain_1k" (the same rows in 1,000-row shards)."""
     from models import SMALL_224, build_random_clip
 
     from shardprep.keys import oom_sample_per_shard
 
     model_dir = build_random_clip(os.path.join(WORK, "clip-small-224"), SMALL_224)  # the clip pair's model
     parquet = os.path.join(WORK, "chain-source", "urls.parquet")  # alone in its folder: ours reads the glob
-    rows = make_url_parquet(parquet, server.url, site, m["chain_rows"])
-    spp = m["chain_shard"]
+    rows = make_url_parquet(parquet, server.url, site, m[f"{size}_rows"])
+    spp = m[f"{size}_shard"]
     return rows, dict(parquet=parquet, model=f"hf_clip:{model_dir}", samples_per_shard=spp, image_size=256,
                       resize_mode="border", threads=32, timeout=10, processes=PROCESSES, batch_size=256,
                       split_ratio=[0.9, 0.1, 0.0], index_width=oom_sample_per_shard(spp))
 
 
-def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
+def pair_chain(m: dict, site: dict, server: Server, log: str, size: str = "chain") -> dict:
     from quality import compare_chain_outputs
 
-    rows, common = chain_source(m, site, server)
+    rows, common = chain_source(m, site, server, size)
     spp = common["samples_per_shard"]
     ours_dir, glue_dir = os.path.join(WORK, "chain-ours"), os.path.join(WORK, "chain-glue")
     runs = run_pair(("chain-ours", {**common, "dir": ours_dir}), ("chain-glue", {**common, "dir": glue_dir}),
@@ -335,8 +340,9 @@ def pair_chain(m: dict, site: dict, server: Server, log: str) -> dict:
 
 def pair_queue(m: dict, site: dict, server: Server, log: str) -> dict:
     """The same multi-shard `shardprep run` through Dagster's run queue (its default: shards in parallel,
-    bounded by the pools) and `--in-process` (one shard after the other in the calling process)."""
-    rows, common = chain_source(m, site, server)
+    bounded by the pools) and `--in-process` (one shard after the other in the calling process), over the
+    many-shard source (1,000-row shards)."""
+    rows, common = chain_source(m, site, server, "chain_1k")
     runs = run_pair(("chain-ours", {**common, "dir": os.path.join(WORK, "queue-queued")}),
                     ("chain-ours", {**common, "dir": os.path.join(WORK, "queue-sequential"),
                                     "cli_args": ["--in-process"]}),
@@ -465,13 +471,15 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  "", "< 5%", "PASS" if inc < 0.05 else "FAIL"],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
-    if name == "chain":
+    if name in ("chain", "chain-1k"):
         ours_rate, their_rate = _rate(o["count"], o["wall"]), _rate(t["count"], t["wall"])
         ratio = ours_rate / their_rate
         overhead = o["last"]["timeline"]["overhead_share"]
-        return [["end to end: tars, CLIP, reordered, energon index (vs img2dataset + clip-retrieval + reorder "
-                 "script + energon prepare)", "successful samples/s, whole run", _fmt(ours_rate), _fmt(their_rate),
-                 f"{ratio:.2f}x", f">= {FLOORS['chain']}x", "PASS" if ratio >= FLOORS["chain"] else "FAIL"],
+        shards = -(-r["rows"]["rows"] // r["settings"]["samples_per_shard"])
+        return [[f"end to end, {shards} shards of {r['settings']['samples_per_shard']:,} rows: tars, CLIP, reordered, "
+                 "energon index (vs img2dataset + clip-retrieval + reorder script + energon prepare)",
+                 "successful samples/s, whole run", _fmt(ours_rate), _fmt(their_rate),
+                 f"{ratio:.2f}x", f">= {FLOORS[name]}x", "PASS" if ratio >= FLOORS[name] else "FAIL"],
                 ["", "wall seconds", _fmt(o["wall"]), _fmt(t["wall"]), f"{t['wall'] / o['wall']:.2f}x", "", ""],
                 ["", "CPU seconds, process tree", _fmt(o["cpu"]), _fmt(t["cpu"]), f"{t['cpu'] / o['cpu']:.2f}x",
                  "", ""],
@@ -516,7 +524,7 @@ def write_results(path: str, mode: str, machine: dict, results: dict, errors: di
          "wall times carry noise; CPU seconds (user + system of the whole process tree) are given beside them",
          "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()), ""]
     L += ["## Results", "", "| pair | metric | shardprep | peer | ratio | floor | |", "|---|---|---|---|---|---|---|"]
-    for name in ("images", "clip", "loader", "index", "chain", "queue", "video"):
+    for name in ("images", "clip", "loader", "index", "chain", "chain-1k", "queue", "video"):
         if name in results:
             L += ["| " + " | ".join(row) + " |" for row in rows_for(name, results[name])]
         elif name in errors:
@@ -619,8 +627,9 @@ def _details(results: dict, errors: dict) -> list[str]:
               "split_ratio=(1,0,0))`, each in a fresh directory of hard links to the same tars",
               f"- whole process: shardprep {o['wall']:.2f} s, energon {t['wall']:.2f} s; shardprep's index call alone "
               f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s", ""]
-    if "chain" in results:
-        L += _chain_details(results["chain"])
+    for name in ("chain", "chain-1k"):
+        if name in results:
+            L += _chain_details(results[name])
     if "video" in results:
         r = results["video"]
         s, o, t = r["settings"], r["ours"], r["theirs"]
@@ -698,7 +707,7 @@ def _chain_details(r: dict) -> list[str]:
     s, o, t, a, tl = r["settings"], r["ours"], r["theirs"], r["agreement"], r["ours"]["last"]["timeline"]
     shards = -(-r["rows"]["rows"] // s["samples_per_shard"])
     stages = [x.result["stages"] for x in r["runs"]["theirs"]]
-    L = ["### end to end (`shardprep run` vs the glue)", "",
+    L = [f"### end to end (`shardprep run` vs the glue), {shards} shards", "",
          f"- source: {r['rows']['rows']} URL rows ({r['rows']['broken']} broken) over the benchmark site's images, "
          f"one parquet, {s['samples_per_shard']} samples per shard = {shards} shards; "
          f"{o['count']} successful samples on both sides",
@@ -793,6 +802,7 @@ def main() -> int:
         steps = [("images", lambda: pair_images(m, site, server, log)), ("clip", lambda: pair_clip(m, site, server, log)),
                  ("loader", lambda: pair_loader(m, site, server, log)), ("index", lambda: pair_index(m, log)),
                  ("chain", lambda: pair_chain(m, site, server, log)),
+                 ("chain-1k", lambda: pair_chain(m, site, server, log, "chain_1k")),
                  ("queue", lambda: pair_queue(m, site, server, log)), ("video", lambda: pair_video(m, log)),
                  ("gpu", lambda: pair_gpu(m, log))]
         for name, fn in steps:
