@@ -25,6 +25,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002
         pass
 
+    def finish(self):
+        super().finish()
+        self.server.closed.set()  # the connection is closed (idle past ``timeout``, or the client left)
+
     def do_GET(self):  # noqa: N802
         if self.path == "/error":
             self.send_response(500)
@@ -56,6 +60,7 @@ class _Server(http.server.ThreadingHTTPServer):
 @pytest.fixture
 def server():
     srv = _Server(("127.0.0.1", 0), _Handler)
+    srv.closed = threading.Event()
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
@@ -80,7 +85,9 @@ def test_kept_alive_connections_are_reused_and_replaced_once_the_server_closed_t
     assert fetch(url, pool=pool, timeout=5, allow_private=True).data == BODY
     assert fetch(url, pool=pool, timeout=5, allow_private=True).data == BODY
     assert (pool.connections_made, server.accepted) == (1, 1)
-    time.sleep(1.0)  # the server closes the idle connection: the next download opens a new one
+    # the server closes the idle connection: the next download opens a new one
+    assert server.closed.wait(30)
+    time.sleep(0.1)  # the FIN reaches the client's socket
     assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
     assert (pool.connections_made, server.accepted) == (2, 2)
     # an error's body is never read: that connection is closed, not reused
