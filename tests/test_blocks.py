@@ -40,6 +40,19 @@ def test_block_keys_sort_and_cover_their_ids():
     assert ledger.partition_of("00005") == "00004-00007"
 
 
+def _pipeline_source(tmp_path, image_site, tiny_clip_dir, rows: int, seed: int, samples_per_shard: int,
+                     shards_per_partition: int) -> tuple[Path, str, Layout]:
+    """(source folder, config path, layout) of a small image pipeline over ``image_site``, in blocks."""
+    src = tmp_path / "source"
+    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[rows], n_images=120, seed=seed)
+    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
+                          samples_per_shard=samples_per_shard, shards_per_partition=shards_per_partition,
+                          image_size=32, allow_private_addresses=True, thread_count=8, timeout=5,
+                          clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16, enable_nemo_text2img=False,
+                          enable_nemo_diffusion=False)
+    return src, config, Layout(str(tmp_path / "out"))
+
+
 def _latest(instance: dg.DagsterInstance, asset: str, partition: str) -> dict:
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1).records
@@ -51,13 +64,8 @@ def _written_at(layout: Layout, shard: str) -> dict[str, float]:
 
 
 def test_blocks_grow_and_a_rerun_does_only_the_new_shards(tmp_path, image_site, tiny_clip_dir):
-    src = tmp_path / "source"
-    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[50], n_images=120, seed=4)
-    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
-                          samples_per_shard=20, shards_per_partition=4, image_size=32, allow_private_addresses=True,
-                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
-                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
-    layout = Layout(str(tmp_path / "out"))
+    src, config, layout = _pipeline_source(tmp_path, image_site, tiny_clip_dir, rows=50, seed=4,
+                                           samples_per_shard=20, shards_per_partition=4)
     home = prepare_home(tmp_path / "home")
     with dg.DagsterInstance.from_config(str(home)) as instance:
         first = run_pipeline(config, instance=instance, progress=False, in_process=True)
@@ -167,13 +175,8 @@ def test_the_progress_bar_moves_per_shard_as_the_journal_records_outcomes(tmp_pa
 
 
 def test_run_shards_targets_single_shards_inside_a_block(tmp_path, image_site, tiny_clip_dir):
-    src = tmp_path / "source"
-    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[40], n_images=120, seed=6)
-    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
-                          samples_per_shard=10, shards_per_partition=4, image_size=32, allow_private_addresses=True,
-                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
-                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
-    layout = Layout(str(tmp_path / "out"))
+    src, config, layout = _pipeline_source(tmp_path, image_site, tiny_clip_dir, rows=40, seed=6,
+                                           samples_per_shard=10, shards_per_partition=4)
     with dg.instance_for_test() as instance:
         with pytest.raises(Exception, match="not a shard selection"):
             run_pipeline(config, instance=instance, progress=False, in_process=True, shards="3-1")
@@ -193,13 +196,8 @@ def test_with_blocks_the_state_index_drives_automation(tmp_path, image_site, tin
     from shardprep_dagster.resources.dataset import DatasetResource
     from shardprep_dagster.sensors.shard_work import pending_work
 
-    src = tmp_path / "source"
-    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[50], n_images=120, seed=7)
-    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
-                          samples_per_shard=20, shards_per_partition=3, image_size=32, allow_private_addresses=True,
-                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
-                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
-    layout = Layout(str(tmp_path / "out"))
+    src, config, layout = _pipeline_source(tmp_path, image_site, tiny_clip_dir, rows=50, seed=7,
+                                           samples_per_shard=20, shards_per_partition=3)
     defs = build_defs(config)
     sensor = defs.get_sensor_def("shard_work")
     graph = defs.resolve_asset_graph()
@@ -236,13 +234,8 @@ def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tm
 
     order = [f"b{i}" for i in range(12)]
     assert fill_gaps(order, {"b0", "b2", "b3", "b11"}, max_gap=3) == {"b0", "b1", "b2", "b3", "b11"}
-    src = tmp_path / "source"
-    synthetic.make_source_parquets(str(src), image_site[1], n_files=1, rows_per_file=[80], n_images=120, seed=9)
-    config = write_config(tmp_path / "c.yaml", source=f"{src}/*.parquet", output_root=str(tmp_path / "out"),
-                          samples_per_shard=10, shards_per_partition=2, image_size=32, allow_private_addresses=True,
-                          thread_count=8, timeout=5, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=16,
-                          enable_nemo_text2img=False, enable_nemo_diffusion=False)
-    layout = Layout(str(tmp_path / "out"))
+    src, config, layout = _pipeline_source(tmp_path, image_site, tiny_clip_dir, rows=80, seed=9,
+                                           samples_per_shard=10, shards_per_partition=2)
     defs = build_defs(config)
     node = defs.resolve_asset_graph().get(dg.AssetKey("image_shards"))
     assert node.backfill_policy.max_partitions_per_run == BLOCKS_PER_RUN  # a run takes a range of blocks
