@@ -333,7 +333,7 @@ def abort_all(refuse_new: bool = False) -> int:
 
 
 def _raise_if_aborted(pool: AbortablePool) -> None:
-    if getattr(pool, "aborted", False):
+    if pool.aborted:
         raise DownloadsAborted(ABANDONED)
 
 
@@ -384,8 +384,7 @@ def _resolve(host: str, port: int, seconds: float, pool: AbortablePool) -> list[
 
     # a daemon thread: a resolver stuck past our deadline is abandoned, never waited for
     threading.Thread(target=lookup, name="shardprep-dns", daemon=True).start()
-    if isinstance(pool, AbortablePool):
-        pool.wake_on_abort(done)
+    pool.wake_on_abort(done)
     finished = done.wait(max(0.0, seconds))
     _raise_if_aborted(pool)
     if not finished:
@@ -439,7 +438,8 @@ def _read_body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float) 
 def _request(pool: AbortablePool, key: tuple[str, str, int, str], path: str, headers: dict[str, str],
              timeout: float) -> tuple[_Connection, http.client.HTTPResponse]:
     """GET ``path`` on a connection for ``key``. A kept-alive connection the server closed meanwhile
-    (its answer: none at all) is replaced by a new one once, as browsers and urllib3 do."""
+    (its answer: none at all) is replaced by the next idle one or a new one, as browsers and urllib3
+    do; a new connection's failure is the answer."""
     while True:
         _raise_if_aborted(pool)
         conn, reused = pool.connection(key, timeout)
@@ -511,8 +511,9 @@ def _fetch_once(
         conn, resp = answer
         body_read = False
         try:
-            if resp.status in REDIRECT_STATUSES and resp.getheader("Location"):
-                current = urljoin(current, resp.getheader("Location"))
+            location = resp.getheader("Location") if resp.status in REDIRECT_STATUSES else None
+            if location:
+                current = urljoin(current, location)
                 continue
             if not 200 <= resp.status < 300:
                 # urllib's HTTPError text, as img2dataset records it
