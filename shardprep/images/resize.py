@@ -27,7 +27,7 @@ promise) goes to OpenCV, which decides as before.
 from __future__ import annotations
 
 import io
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import cv2
 import numpy as np
@@ -99,28 +99,38 @@ def _jpeg_header(data: bytes) -> tuple[tuple[int, int], str, str] | None:
     frame header by walking the segments before it: ~2 us, where PIL's ``open`` parses them in Python
     (~50 us a row). ``None`` for anything else (other depths and channel counts, segments that do
     not walk cleanly), which PIL then reads as before."""
-    pos, n = 2, len(data)
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD9:  # standalone markers: none belongs here
-            return None
+    for pos, marker in _markers(data):
+        if marker is None or marker == 0x01 or 0xD0 <= marker <= 0xDA:
+            return None  # not a marker, a standalone one or a scan before any frame header
         if marker in _SOF:
-            if pos + 10 > n:
+            if pos + 10 > len(data):
                 return None
             precision, height, width, components = (data[pos + 4], (data[pos + 5] << 8) | data[pos + 6],
                                                     (data[pos + 7] << 8) | data[pos + 8], data[pos + 9])
             if precision != 8 or components not in (1, 3) or not width or not height:
                 return None
             return (width, height), "JPEG", "L" if components == 1 else "RGB"
-        if marker == 0xDA:  # a scan before any frame header
-            return None
-        pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
     return None
+
+
+def _markers(data: bytes) -> Iterator[tuple[int, int | None]]:
+    """``(position, marker)`` of a JPEG's marker segments after its SOI, each stepped over by its length
+    (standalone markers by their two bytes), fill bytes skipped; ``(position, None)`` where a marker
+    must be and is not, and then no more. The caller stops where its question is answered."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            yield pos, None
+            return
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        yield pos, marker
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # standalone markers
+            pos += 2
+        else:
+            pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
 
 
 def header_size(data: bytes) -> tuple[int, int] | None:
@@ -138,26 +148,16 @@ def jpeg_is_truncated(data: bytes) -> bool:
     """
     if not data.startswith(b"\xff\xd8"):
         return False
-    pos, n = 2, len(data)
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
+    for pos, marker in _markers(data):
+        if marker is None:
             return True  # not a marker where one must be: corrupt; treat as truncated
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
         if marker == 0xD9:
             return False
-        if marker in (0x01,) or 0xD0 <= marker <= 0xD7:  # standalone markers
-            pos += 2
-            continue
-        length = (data[pos + 2] << 8) | data[pos + 3]
         if marker == 0xDA:  # start of scan: the rest is entropy-coded data + later segments
-            start = pos + 2 + length
-            if data.endswith(b"\xff\xd9") and n - 2 >= start:  # the usual case, without a scan
+            start = pos + 2 + ((data[pos + 2] << 8) | data[pos + 3])
+            if data.endswith(b"\xff\xd9") and len(data) - 2 >= start:  # the usual case, without a scan
                 return False
             return data.find(b"\xff\xd9", start) < 0
-        pos += 2 + length
     return True
 
 
