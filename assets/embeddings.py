@@ -22,6 +22,22 @@ from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
 
+def _with_text(cfg) -> bool:
+    return cfg.enable_text and cfg.caption_col is not None
+
+
+def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str) -> dict:
+    """clip_embeddings' work on one shard with a loaded ``encoder`` (also run by ``assets.follow``)."""
+    if not exists(layout.tar(key)):
+        return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
+    report = write_clip_embeddings(key, layout, encoder, batch_size=clip.effective_batch_size,
+                                   enable_text=_with_text(cfg))
+    return {"status": "written", "model": clip.spec, "samples": report.samples, "dim": report.dim,
+            "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
+            "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
+            "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
+
+
 @dg.asset(
     **from_record("clip_embeddings"),
     kinds={"numpy", "parquet", "pytorch"},
@@ -34,23 +50,15 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     """clip-retrieval's inference layout under ``<root>/embeddings/``: ``img_emb/img_emb_{shard}.npy``,
     ``text_emb/text_emb_{shard}.npy`` (float16, L2-normalised) and ``metadata/metadata_{shard}.parquet``."""
     cfg, layout = dataset.config, dataset.layout
-    enable_text = cfg.enable_text and cfg.caption_col is not None
-
-    def embed(key: str) -> dict:
-        if not exists(layout.tar(key)):
-            return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
-        report = write_clip_embeddings(key, layout, clip.encoder(device.torch_device),
-                                       batch_size=clip.effective_batch_size, enable_text=enable_text)
-        return {"status": "written", "model": clip.spec, "samples": report.samples, "dim": report.dim,
-                "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
-                "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
-                "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
 
     with gpu_device(context, dataset) as device:
+        def embed(key: str) -> dict:
+            return embed_shard(layout, cfg, clip, clip.encoder(device.torch_device), key)
+
         result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
                                     describe=lambda key: {"model": clip.spec},
                                     check=("rows_match_samples",
-                                           lambda key: check_clip_embeddings(layout, key, enable_text)))
+                                           lambda key: check_clip_embeddings(layout, key, _with_text(cfg))))
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard
     return result._replace(metadata={**result.metadata, "model_loads_in_process": clip_models.LOAD_COUNT,
                                      "pid": os.getpid(), "device": device.name})

@@ -10,6 +10,7 @@ from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
 from shardprep.report.contact_sheet import contact_sheet, inline_image
 from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
+from shardprep_dagster.assets import follow
 from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
@@ -18,6 +19,7 @@ from shardprep_dagster.assets.shard_runs import (
     materialize_shards,
     shard_check,
 )
+from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
 
@@ -68,7 +70,7 @@ def contact_sheet_metadata(layout: Layout, key: str, rebuild: bool,
                              "The tar holds exactly the samples the parquet marks as success.")],
 )
 def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
-                 dataset: DatasetResource) -> dg.MaterializeResult:
+                 dataset: DatasetResource, clip: ClipResource) -> dg.MaterializeResult:
     """``<root>/images/{shard}.tar``, ``{shard}.parquet`` and ``{shard}_stats.json`` in img2dataset's
     webdataset layout. Bad URLs and images are recorded failures; a shard with no success gets no tar."""
     cfg, layout = dataset.config, dataset.layout
@@ -92,5 +94,8 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
             remove(layout.contact_sheet(key))
         return {**_stats_metadata(stats, layout.tar(key), report.tar_bytes), **sheet, "status": "written"}
 
-    return materialize_shards(context, dataset, "image_shards", download, rebuild=config.rebuild, describe=describe,
-                              check=("tar_matches_parquet", lambda key: check_image_shard(layout, key)))
+    # a run that also embeds these shards starts embedding each one as its download ends (assets.follow)
+    with follow.embedding(context, dataset, clip, rebuild=config.rebuild) as on_done:
+        return materialize_shards(context, dataset, "image_shards", download, rebuild=config.rebuild,
+                                  describe=describe, on_done=on_done,
+                                  check=("tar_matches_parquet", lambda key: check_image_shard(layout, key)))

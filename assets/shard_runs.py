@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -121,10 +122,40 @@ def lock_name(artifact: str, key: str) -> str:
     return f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"
 
 
+# (artifact, shard, version) -> the figures of a shard made complete ahead of its own step, in this
+# process, by a follower (``assets.follow``); the artifact's step reports them instead of "cached"
+FOLLOWED: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+
+def write_one(layout, artifact: str, version: str, key: str, write: Callable[[str], dict[str, Any]], *,
+              rebuild: bool = False, describe: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Make ``artifact``'s outputs of shard ``key`` complete at ``version``: ``write(key)`` unless its stamp
+    says they are; returns the shard's figures (with when its writing started and ended)."""
+    # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then finds the
+    # outputs complete (local roots; on object stores Dagster's queue keeps them apart)
+    with lock(layout.root, lock_name(artifact, key)):
+        stamp = None if rebuild else read_stamp(layout, artifact, key)
+        if stamp is not None and stamp["version"] == version:
+            # again: a process killed between the stamp and its journal entry left it out
+            state.record_done(layout, artifact, key, version, stamp.get("outputs", {}),
+                              stamp.get("written_at") or 0.0)
+            return {"status": "cached", **(describe(key) if describe else {})}
+        if stamp is not None or rebuild:
+            # the outputs are about to change: not complete at any version until the new stamp (a crash
+            # mid-write must not leave them claimed at the old one)
+            remove_stamp(layout, artifact, key)
+        started = time.time()
+        result = write(key)
+        # last: the outputs are complete; their sizes let `verify` find one cut short later
+        write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
+        return {**result, "started_at": round(started, 3), "finished_at": round(time.time(), 3)}
+
+
 def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResource, artifact: str,
                        write: Callable[[str], dict[str, Any]], *, rebuild: bool = False,
                        describe: Callable[[str], dict[str, Any]] | None = None,
-                       check: tuple[str, Callable[[str], CheckOutcome]] | None = None) -> dg.MaterializeResult:
+                       check: tuple[str, Callable[[str], CheckOutcome]] | None = None,
+                       on_done: Callable[[str], None] | None = None) -> dg.MaterializeResult:
     """``write(shard)`` for each partition of this run whose outputs are not complete at the current
     version (``shardprep.versions``: a stamp written after the outputs says so), then the asset's
     check, then report. ``describe(shard)``: metadata of outputs found complete (default: none).
@@ -134,7 +165,9 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
     "not applicable"), so every partition of the one shard partition set is complete for every asset.
 
     A failing shard does not stop the others (their outputs are written and will be found complete on
-    a re-run); the step fails at the end naming every failed shard.
+    a re-run); the step fails at the end naming every failed shard. ``on_done(shard)``: called as each
+    shard is found or made complete (``assets.follow``: the next artifact starts on it at once).
+    Shards a follower already made complete in this process are reported with its figures.
     """
     partitions = list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
     layout, version = dataset.layout, dataset.versions[artifact]
@@ -157,31 +190,21 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
         if kinds.get(key, media) != media:
             results[key] = {"status": f"not applicable ({kinds[key]} shard)", "media": kinds[key]}
             continue
-        if key in indexed:
+        ahead = FOLLOWED.pop((artifact, key, version), None)
+        if ahead is not None:
+            results[key] = ahead
+        elif key in indexed:
             results[key] = {"status": "cached"}
-            continue
-        try:
-            # one writer per (asset, shard) at a time, whoever launched it: a second one waits, then
-            # finds the outputs complete (local roots; on object stores Dagster's queue keeps them apart)
-            with lock(layout.root, lock_name(artifact, key)):
-                stamp = None if rebuild else read_stamp(layout, artifact, key)
-                if stamp is not None and stamp["version"] == version:
-                    results[key] = {"status": "cached", **(describe(key) if describe else {})}
-                    # again: a process killed between the stamp and its journal entry left it out
-                    state.record_done(layout, artifact, key, version, stamp.get("outputs", {}),
-                                      stamp.get("written_at") or 0.0)
-                else:
-                    if stamp is not None or rebuild:
-                        # the outputs are about to change: not complete at any version until the new
-                        # stamp (a crash mid-write must not leave them claimed at the old one)
-                        remove_stamp(layout, artifact, key)
-                    results[key] = write(key)
-                    # last: the outputs are complete; their sizes let `verify` find one cut short later
-                    write_stamp(layout, artifact, version, key, file_sizes(layout.shard_outputs(artifact, key)))
-        except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
-            context.log.error(f"shard {key}: {type(e).__name__}: {e}")
-            failures[key] = f"{type(e).__name__}: {e}"
-            state.record_failed(layout, artifact, key, failures[key])
+        else:
+            try:
+                results[key] = write_one(layout, artifact, version, key, write, rebuild=rebuild, describe=describe)
+            except Exception as e:  # noqa: BLE001 - reported per shard, then the step fails
+                context.log.error(f"shard {key}: {type(e).__name__}: {e}")
+                failures[key] = f"{type(e).__name__}: {e}"
+                state.record_failed(layout, artifact, key, failures[key])
+                continue
+        if on_done is not None:
+            on_done(key)
     if failures:
         # the partitions of a batch whose shards all succeeded are materialized all the same, so their
         # downstream assets go ahead; only the failed ones wait for a re-run (their done shards are

@@ -387,6 +387,10 @@ def graphql(ctx, query: str, key) -> dict:
 def backfill_iteration(ctx) -> None:
     from dagster._daemon.backfill import execute_backfill_iteration
 
+    from shardprep_dagster.orchestration.queue_daemon import one_planned_event_per_asset
+
+    one_planned_event_per_asset()  # as `shardprep run`'s daemon does (set it to 0 to see Dagster's default)
+
     for error in execute_backfill_iteration(ctx, logging.getLogger("backfill")):
         if error is not None:
             raise RuntimeError(error.to_string())

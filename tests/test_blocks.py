@@ -9,6 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.events import DagsterEventType
 
 from shardprep import state
 from shardprep.config import load_config
@@ -227,9 +228,11 @@ def test_with_blocks_the_state_index_drives_automation(tmp_path, image_site, tin
         assert tick()[0].run_key != request.run_key
 
 
-def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tmp_path, image_site, tiny_clip_dir):
+def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tmp_path, image_site, tiny_clip_dir,
+                                                                              monkeypatch):
     from shardprep.versions import remove_stamp
     from shardprep_dagster.definitions import BLOCKS_PER_RUN, build_defs
+    from shardprep_dagster.orchestration.queue_daemon import PLANNED_EVENTS_ENV, one_planned_event_per_asset
     from shardprep_dagster.orchestration.queued import fill_gaps
 
     order = [f"b{i}" for i in range(12)]
@@ -244,7 +247,10 @@ def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tm
         before = {s: read_stamp(layout, "image_shards", s)["written_at"] for s in ("00000", "00003", "00006")}
         for shard in ("00001", "00007"):  # one shard in the first block, one in the last
             remove_stamp(layout, "image_shards", shard)
-        # one run over the range of all four blocks, as a filled backfill gives it
+        # one run over the range of all four blocks, as a filled backfill gives it, created as in the
+        # private daemon: one "planned" event for the asset, not one per block (~9 ms each)
+        monkeypatch.delenv(PLANNED_EVENTS_ENV, raising=False)
+        one_planned_event_per_asset()
         result = defs.resolve_job_def("shards_job").execute_in_process(
             instance=instance, asset_selection=[dg.AssetKey("image_shards")],
             tags={"dagster/asset_partition_range_start": "00000-00001", "dagster/asset_partition_range_end": "00006-00007"})
@@ -252,4 +258,7 @@ def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tm
         (mat,) = [m for m in result.asset_materializations_for_node("image_shards") if m.partition == "00000-00001"]
         assert mat.metadata["shards"].value == 8 and mat.metadata["cached_shards"].value == 6
         assert {s: read_stamp(layout, "image_shards", s)["written_at"] for s in before} == before  # untouched
+        (planned,) = instance.all_logs(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION_PLANNED)
+        assert set(planned.dagster_event.event_specific_data.partitions_subset.get_partition_keys()) == {
+            "00000-00001", "00002-00003", "00004-00005", "00006-00007"}
         assert read_stamp(layout, "image_shards", "00001") and read_stamp(layout, "image_shards", "00007")
