@@ -11,6 +11,7 @@ against). MFU = images/s x FLOPs per image / the GPU's dense bf16 peak.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 import time
@@ -50,6 +51,13 @@ def make_tars(root: str, n_samples: int, per_tar: int, n_unique: int = 256) -> l
     return shards
 
 
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def model_only(encoder, batch: int, steps: int = 20) -> float:
     """Images/s of the image tower alone on a resident random batch (bf16 autocast as all_clip)."""
     import torch
@@ -59,45 +67,103 @@ def model_only(encoder, batch: int, steps: int = 20) -> float:
     with torch.inference_mode():
         for _ in range(3):
             encoder.model.encode_image(x)
-        torch.cuda.synchronize()
+        _sync(encoder.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             encoder.model.encode_image(x)
-        torch.cuda.synchronize()
+        _sync(encoder.device)
     return batch * steps / (time.perf_counter() - t0)
 
 
-def run_gpu(s: dict) -> dict:
-    import torch
-    from models import VIT_B_32, VIT_L_14, build_random_clip, text_flops, vision_flops
+MODELS = (("ViT-B/32", "VIT_B_32", 512), ("ViT-L/14", "VIT_L_14", 256))
 
-    from shardprep.embeddings import write_clip_embeddings
+
+def _write_json(path: str | None, out: dict) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, path)
+
+
+def run_gpu(s: dict) -> dict:
+    """``s``: ``work`` (folder), ``samples``, ``per_tar``; optional (for bench/gpu_device.sh and a CPU smoke
+    test): ``device`` ("cuda"), ``models`` (labels of ``MODELS``), ``geometry`` (a ``models`` name that
+    replaces every model's geometry), ``batch`` (replaces every model's batch), ``model_steps`` (20),
+    ``out`` (a JSON file rewritten after each step) and ``keep_going`` (a model that fails is recorded
+    under ``errors`` and the next one runs, instead of raising)."""
+    import models as bench_models
+    import torch
+    import transformers
+    from models import build_random_clip, text_flops, vision_flops
+
+    from shardprep.embeddings import thread_split, write_clip_embeddings
     from shardprep.layout import Layout
     from shardprep.models.clip import load_clip_encoder
 
-    name = torch.cuda.get_device_name(0)
+    device = s.get("device", "cuda")
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else device
     peak = _peak(name)
     root = s["work"]
+    t = time.perf_counter()
     shards = make_tars(root, s["samples"], s["per_tar"])
     layout = Layout(root)
-    out = {"device": name, "peak_flops": peak, "cpu_cores": os.cpu_count(), "samples": s["samples"], "models": {}}
-    for label, geometry, batch in (("ViT-B/32", VIT_B_32, 512), ("ViT-L/14", VIT_L_14, 256)):
-        model_dir = build_random_clip(os.path.join(root, label.replace("/", "-")), geometry)
-        encoder = load_clip_encoder(f"hf_clip:{model_dir}", device="cuda")
-        write_clip_embeddings(shards[0], layout, encoder, batch_size=batch)  # warm-up (kernels, pools)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        n = sum(write_clip_embeddings(sh, layout, encoder, batch_size=batch).samples for sh in shards)
-        seconds = time.perf_counter() - t0
-        e2e = n / seconds
-        alone = model_only(encoder, batch)
-        fv, ft = vision_flops(geometry), text_flops(geometry)
-        out["models"][label] = {
-            "batch": batch, "end_to_end_images_per_s": e2e, "model_only_images_per_s": alone,
-            "gflop_image": fv / 1e9, "gflop_text": ft / 1e9,
-            "mfu_end_to_end": (e2e * (fv + ft) / peak) if peak else None,
-            "mfu_model_only": (alone * fv / peak) if peak else None,
-        }
-        del encoder
-        torch.cuda.empty_cache()
+    out = {"device": name, "peak_flops": peak, "cpu_cores": os.cpu_count(), "samples": s["samples"], "models": {},
+           "per_tar": s["per_tar"], "decode_threads": thread_split(device)[0], "torch": torch.__version__,
+           "transformers": transformers.__version__, "make_tars_seconds": time.perf_counter() - t}
+    _write_json(s.get("out"), out)
+    wanted = s.get("models") or [label for label, _, _ in MODELS]
+    for label, geometry_name, batch in MODELS:
+        if label not in wanted:
+            continue
+        geometry = getattr(bench_models, s.get("geometry") or geometry_name)
+        batch = s.get("batch") or batch
+        try:
+            t = time.perf_counter()
+            model_dir = build_random_clip(os.path.join(root, label.replace("/", "-")), geometry)
+            build_s = time.perf_counter() - t
+            t = time.perf_counter()
+            encoder = load_clip_encoder(f"hf_clip:{model_dir}", device=device)
+            load_s = time.perf_counter() - t
+            t = time.perf_counter()
+            write_clip_embeddings(shards[0], layout, encoder, batch_size=batch)  # warm-up (kernels, pools)
+            _sync(device)
+            warm_s = time.perf_counter() - t
+            t0 = time.perf_counter()
+            n = sum(write_clip_embeddings(sh, layout, encoder, batch_size=batch).samples for sh in shards)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+            e2e = n / seconds
+            alone = model_only(encoder, batch, s.get("model_steps", 20))
+            fv, ft = vision_flops(geometry), text_flops(geometry)
+            out["models"][label] = {
+                "batch": batch, "end_to_end_images_per_s": e2e, "model_only_images_per_s": alone,
+                "gflop_image": fv / 1e9, "gflop_text": ft / 1e9,
+                "mfu_end_to_end": (e2e * (fv + ft) / peak) if peak else None,
+                "mfu_model_only": (alone * fv / peak) if peak else None,
+                "fast_preprocess": encoder.fast_preprocess, "images": n, "end_to_end_seconds": seconds,
+                "build_seconds": build_s, "load_seconds": load_s, "warmup_seconds": warm_s,
+            }
+            if device.startswith("cuda"):
+                out["models"][label]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del encoder
+        except Exception as e:
+            if not s.get("keep_going"):
+                raise
+            import traceback
+
+            traceback.print_exc()
+            out.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        _write_json(s.get("out"), out)
+        print(f"{label}: {json.dumps(out['models'].get(label) or out['errors'][label])}", flush=True)
     return out
+
+
+if __name__ == "__main__":  # python bench/gpu.py --json SETTINGS (bench/ and the repo root on PYTHONPATH)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True, help="run_gpu's settings as JSON")
+    print(json.dumps(run_gpu(json.loads(p.parse_args().json))))

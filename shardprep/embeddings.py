@@ -97,13 +97,21 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+GPU_DECODE_THREADS = 8
+
+
 def thread_split(device: str) -> tuple[int, int]:
     """(decode threads, torch threads): a decode thread per core (they idle while a batch is being
     encoded), and with the model on the CPU torch gets half the cores: its pool on every core,
     next to busy decode threads, spends more time spinning than computing (measured on 2 cores:
     2 torch threads were slower than 1). With a GPU torch's CPU threads are left alone."""
     cores = _cores()
-    return max(2, cores), (max(1, cores // 2) if device == "cpu" else 0)
+    if device == "cpu":
+        return max(2, cores), max(1, cores // 2)
+    # With a GPU at most GPU_DECODE_THREADS: past that the threads fight over the GIL (the caption BPE is
+    # pure Python) and more of them prepare fewer images (bench/GPU.md: 16 vCPUs of an H200 host, 8
+    # threads 1,287 images/s, 16 threads 1,013; ViT-B/32 end to end 1,135 vs 928)
+    return max(2, min(cores, GPU_DECODE_THREADS)), 0
 
 
 # On the CPU the model runs on steps of at most this many samples, so decoding the next step

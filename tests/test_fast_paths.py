@@ -350,7 +350,7 @@ def test_text_padding_trim_changes_nothing(encoder):
 
 
 def test_write_clip_embeddings_fast_and_exact_align_around_skips(tmp_path, encoder):
-    from shardprep.embeddings import CPU_STEP, thread_split
+    from shardprep.embeddings import CPU_STEP, GPU_DECODE_THREADS, thread_split
 
     rng = random.Random(0)
     samples = []
@@ -371,6 +371,7 @@ def test_write_clip_embeddings_fast_and_exact_align_around_skips(tmp_path, encod
     assert [s["key"] for s in fast.skipped] == [s["key"] for s in exact.skipped] and fast.skipped
     np.testing.assert_allclose(f_img.astype(np.float32), e_img.astype(np.float32), atol=2e-3)
     assert thread_split("cpu")[1] >= 1 and thread_split("cuda")[1] == 0
+    assert 2 <= thread_split("cuda")[0] <= GPU_DECODE_THREADS  # more threads prepare fewer images (GIL)
 
 
 def _header_cases():

@@ -208,11 +208,11 @@ class ClipEncoder:
         crop = _decode_crop(data, self.image_spec)
         if out is None:
             out = np.empty((3, *self.image_spec.crop), self._buffer_dtype())
-        planes = cv2.split(crop)
         if out.dtype == np.uint8:  # GPU: normalised there, after the copy
-            for c in range(3):
-                out[c] = planes[c]
+            # one strided copy (cv2.split and three plane copies cost 4x more on a 16-core GPU host)
+            out[...] = crop.transpose(2, 0, 1)
         else:  # CPU: (x / 255 - mean) / std here, in the worker thread, while the cache is warm
+            planes = cv2.split(crop)
             scale, shift = self._plane_norm()
             for c in range(3):
                 np.multiply(planes[c], scale[c], out=out[c], dtype=np.float32)
