@@ -14,7 +14,7 @@ from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
     from_record,
-    gpu_device,
+    gpu_device_when_needed,
     materialize_shards,
     shard_check,
 )
@@ -26,13 +26,14 @@ def _with_text(cfg) -> bool:
     return cfg.enable_text and cfg.caption_col is not None
 
 
-def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str) -> dict:
-    """clip_embeddings' work on one shard with a loaded ``encoder`` (also run by ``assets.follow``)."""
+def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str) -> dict:
+    """clip_embeddings' work on one shard with a loaded ``encoder`` on ``device`` (also run by
+    ``assets.follow``)."""
     if not exists(layout.tar(key)):
         return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
     report = write_clip_embeddings(key, layout, encoder, batch_size=clip.effective_batch_size,
                                    enable_text=_with_text(cfg))
-    return {"status": "written", "model": clip.spec, "samples": report.samples, "dim": report.dim,
+    return {"status": "written", "model": clip.spec, "device": device, "samples": report.samples, "dim": report.dim,
             "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
             "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
             "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
@@ -51,17 +52,21 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     ``text_emb/text_emb_{shard}.npy`` (float16, L2-normalised) and ``metadata/metadata_{shard}.parquet``."""
     cfg, layout = dataset.config, dataset.layout
 
-    with gpu_device(context, dataset) as device:
+    # the device is leased at the first shard to embed: shards embedded following their download
+    # (assets.follow) need none, and a step left nothing to do never waits for a busy GPU
+    with gpu_device_when_needed(context, dataset) as device:
         def embed(key: str) -> dict:
-            return embed_shard(layout, cfg, clip, clip.encoder(device.torch_device), key)
+            return embed_shard(layout, cfg, clip, clip.encoder(device().torch_device), key, device().name)
 
         result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
                                     describe=lambda key: {"model": clip.spec},
                                     check=("rows_match_samples",
                                            lambda key: check_clip_embeddings(layout, key, _with_text(cfg))))
+        leased = device(lease=False)
+    name = leased.name if leased else "(none: every shard was embedded following its download)"
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard
     return result._replace(metadata={**result.metadata, "model_loads_in_process": clip_models.LOAD_COUNT,
-                                     "pid": os.getpid(), "device": device.name})
+                                     "pid": os.getpid(), "device": name})
 
 
 @dg.asset(

@@ -26,7 +26,7 @@ import dagster as dg
 
 from shardprep.checks import check_image_shard
 from shardprep.models.devices import lease
-from shardprep_dagster.assets.shard_runs import FOLLOWED, REBUILD_TAG, write_one
+from shardprep_dagster.assets.shard_runs import DEVICE_TAG, FOLLOWED, REBUILD_TAG, write_one
 from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
@@ -58,12 +58,14 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
         try:
             # no wait: with the device busy (another run's GPU step), the clip step does the work later
             with lease(dataset.config.device, wait_seconds=0) as device:
+                # the run shows which device embedded its shards, as a GPU step's lease does
+                context.instance.add_run_tags(context.run.run_id, {f"{DEVICE_TAG}/{FOLLOWER}": device.name})
                 encoder = clip.encoder(device.torch_device)
                 while (key := todo.get()) is not None:
                     if not check_image_shard(layout, key).passed:
                         continue  # the blocking check fails: the clip step will not run on it either
                     result = write_one(layout, FOLLOWER, version, key,
-                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k),
+                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k, device.name),
                                        rebuild=rebuild)
                     if result["status"] != "cached":
                         FOLLOWED[(FOLLOWER, key, version)] = {**result, "embedded": "following the download"}

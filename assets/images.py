@@ -10,7 +10,7 @@ from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
 from shardprep.report.contact_sheet import contact_sheet, inline_image
 from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove, url_to_fs
-from shardprep_dagster.assets import follow
+from shardprep_dagster.assets.follow import embedding as embedding_follows
 from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
@@ -95,7 +95,7 @@ def image_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
         return {**_stats_metadata(stats, layout.tar(key), report.tar_bytes), **sheet, "status": "written"}
 
     # a run that also embeds these shards starts embedding each one as its download ends (assets.follow)
-    with follow.embedding(context, dataset, clip, rebuild=config.rebuild) as on_done:
+    with embedding_follows(context, dataset, clip, rebuild=config.rebuild) as on_done:
         return materialize_shards(context, dataset, "image_shards", download, rebuild=config.rebuild,
                                   describe=describe, on_done=on_done,
                                   check=("tar_matches_parquet", lambda key: check_image_shard(layout, key)))

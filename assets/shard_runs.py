@@ -228,9 +228,18 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             if not o.passed:  # the index gates downstream work on it, as Dagster's blocking check does
                 state.record_failed(layout, artifact, k, f"check {check[0]} failed: {o.description}")
         checks = [_check_result(check[0], outcomes)]
+    metadata = _figures(results, version)
+    if len(partitions) > 1:
+        # each partition's materialization carries its own shards' figures, not the run's totals (shard
+        # 00002 of a run over six must not show the six shards' samples)
+        for p in partitions:
+            own = {k: results[k] for k in shards_of[p] if k in results}
+            if own:
+                context.add_asset_metadata(_figures(own, version), partition_key=p)
+        metadata = {"version": version, **worker_metadata(), "partitions_in_run": len(partitions),
+                    "shards_in_run": len(results)}
     # the version is each partition's data version: the one tag Dagster indexes per partition
-    return dg.MaterializeResult(metadata=_figures(results, version), check_results=checks,
-                                data_version=dg.DataVersion(version))
+    return dg.MaterializeResult(metadata=metadata, check_results=checks, data_version=dg.DataVersion(version))
 
 
 def partition_shards(dataset: DatasetResource, partitions: list[str]) -> dict[str, list[str]]:
@@ -288,4 +297,20 @@ def gpu_device(context: dg.AssetExecutionContext, dataset: DatasetResource) -> I
         context.instance.add_run_tags(context.run.run_id, {f"{DEVICE_TAG}/{context.asset_key.to_user_string()}":
                                                        device.name})
         context.log.info(f"{context.asset_key.to_user_string()} runs on device {device.name}")
+        yield device
+
+
+@contextlib.contextmanager
+def gpu_device_when_needed(context: dg.AssetExecutionContext,
+                           dataset: DatasetResource) -> Iterator[Callable[..., Device | None]]:
+    """``gpu_device``, leased at the first call of the function this yields: ``device()`` leases (once)
+    and returns it; ``device(lease=False)`` returns it, or None when it was never leased."""
+    with contextlib.ExitStack() as stack:
+        held: list[Device] = []
+
+        def device(lease: bool = True) -> Device | None:
+            if not held and lease:
+                held.append(stack.enter_context(gpu_device(context, dataset)))
+            return held[0] if held else None
+
         yield device

@@ -140,6 +140,27 @@ def _run_events(instance, run_id: str) -> dict:
     return {"events": first, "steps": steps, "engine": engine}
 
 
+def _shard_spans(instance, asset: str, started: float) -> dict[str, tuple[float, float]]:
+    """``{shard: (started, finished)}`` of the shards ``asset`` wrote, from its materializations' figures."""
+    import dagster as dg
+
+    out = {}
+    for record in instance.fetch_materializations(dg.AssetKey(asset), limit=100_000).records:
+        meta = record.asset_materialization.metadata
+        rows = [r.data for r in meta["per_shard"].value.records] if "per_shard" in meta else \
+            [{"shard": record.partition_key, **{k: v.value for k, v in meta.items()}}]
+        for r in rows:
+            if isinstance(r.get("started_at"), float) and isinstance(r.get("finished_at"), float):
+                out[r["shard"]] = (round(r["started_at"] - started, 2), round(r["finished_at"] - started, 2))
+    return dict(sorted(out.items()))
+
+
+def _overlapped(spans: dict[str, dict[str, tuple[float, float]]]) -> int:
+    downloads, embeds = spans["image_shards"], spans["clip_embeddings"]
+    shards = sorted(downloads)
+    return sum(1 for k, nxt in zip(shards, shards[1:]) if k in embeds and embeds[k][0] < downloads[nxt][1])
+
+
 def dagster_timeline(home: str, started: float, ended: float, cpu_of_pid: dict[int, float] | None = None) -> dict:
     """Where the wall time of a `shardprep run` (``started``..``ended``, epoch seconds) went, from its
     instance: the steps' busy time (our engines), and per run its queue wait, process start-up (launch ->
@@ -151,6 +172,7 @@ def dagster_timeline(home: str, started: float, ended: float, cpu_of_pid: dict[i
     with dg.DagsterInstance.from_config(home) as instance:
         runs = instance.get_runs()
         per_run = {r.run_id: {"tags": r.tags, **_run_events(instance, r.run_id)} for r in runs}
+        shard_spans = {a: _shard_spans(instance, a, started) for a in ("image_shards", "clip_embeddings")}
     steps = [(k, a, b) for r in per_run.values() for k, a, b in r["steps"]]
     wall = ended - started
     busy = _union([(a, b) for _, a, b in steps])
@@ -189,6 +211,10 @@ def dagster_timeline(home: str, started: float, ended: float, cpu_of_pid: dict[i
         "run_start_to_first_step_sum": sum(heads), "last_step_to_run_success_sum": sum(tails),
         "cli_to_first_enqueue": (min(enqueued) - started) if enqueued else None,
         "last_success_to_cli_exit": (ended - max(finished)) if finished else None,
+        # per shard, seconds after the start: when its download and its embedding ran, and how many
+        # shards were embedded while the next one was still downloading (assets.follow)
+        "shard_spans": shard_spans,
+        "embedded_during_next_download": _overlapped(shard_spans),
         "runs_detail": [{"steps": [(k, round(a - started, 2), round(b - started, 2)) for k, a, b in r["steps"]],
                          "events": {k: round(v - started, 2) for k, v in r["events"].items() if k != "pid"},
                          "cpu": (cpu_of_pid or {}).get(r["events"].get("pid")),

@@ -672,6 +672,18 @@ def _details(results: dict, errors: dict) -> list[str]:
     return L
 
 
+def _shard_overlap(tl: dict) -> str:
+    """Per shard, when its download and its embedding ran (s after the CLI's start): the embedding of shard
+    k runs while shard k+1 downloads (assets.follow)."""
+    spans = tl.get("shard_spans") or {}
+    downloads, embeds = spans.get("image_shards", {}), spans.get("clip_embeddings", {})
+    shown = "; ".join(f"{k}: download {d[0]:.1f}-{d[1]:.1f}, embedding "
+                      + (f"{embeds[k][0]:.1f}-{embeds[k][1]:.1f}" if k in embeds else "-")
+                      for k, d in list(downloads.items())[:6])
+    return (f"- per shard ({len(downloads)} downloaded; first 6): {shown}; embedded while the next shard was still "
+            f"downloading: {tl.get('embedded_during_next_download', 0)} of {max(len(downloads) - 1, 0)}")
+
+
 def _process_kind(cmd: str) -> str:
     kinds = {"spawn_main": "run workers", "shardprep_dagster.orchestration.queue_daemon": "queue daemon", "shardprep_dagster.orchestration.cli": "CLI",
              "dagster api": "code server", "watch_": "compute-log watchers"}
@@ -749,6 +761,7 @@ def _chain_details(r: dict) -> list[str]:
           f"- CLI start -> first run enqueued {_fmt(tl['cli_to_first_enqueue'])} s (imports, registration, planning, "
           f"daemon start, backfill daemon's first tick); last run's success -> CLI exit "
           f"{_fmt(tl['last_success_to_cli_exit'])} s; some run in flight {tl['any_run_in_flight']:.1f} s of the wall",
+          _shard_overlap(tl),
           "- CPU seconds by kind of process (sampled; xN: processes): " + "; ".join(
               f"{_process_kind(cmd)} x{n} {cpu:.1f}" for cmd, (n, cpu) in list(o["last"]["cpu_by_command"].items())[:5]
           ),

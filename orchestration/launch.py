@@ -24,7 +24,7 @@ from dagster._core.events import DagsterEventType
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from shardprep_dagster.orchestration.queue_daemon import IN_FLIGHT, lock_path
+from shardprep_dagster.orchestration.queue_daemon import IN_FLIGHT, lock_path, wake
 
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 ACTIVE = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
@@ -91,6 +91,7 @@ def launch(instance: dg.DagsterInstance, pairs: Pairs, *, tags: dict[str, str], 
         description=f"{len(pairs)} assets, {sum(map(len, pairs.values()))} (asset, shard) pairs",
         run_config=run_config)
     instance.add_backfill(backfill)
+    wake()  # an idle private daemon of this instance takes it at once
     return backfill.backfill_id
 
 

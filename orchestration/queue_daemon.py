@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import os
 import sys
+import threading
 import time
 
 import dagster as dg
@@ -27,12 +28,34 @@ from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 LOCK_NAME = ".shardprep-queue-daemon.lock"
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
-HEARTBEAT_SECONDS = 5
-CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name  # a private daemon's heartbeats: clients see it alive within this
+HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (launch.HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
+CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
+# How often the backfill daemon iterates: every second while runs or backfills are in flight (a small
+# run's next stage is not held up, dagster#11649), every IDLE_POLL_SECONDS otherwise, or at once when a
+# client wakes it (``wake``); the idle check runs as often.
+IDLE_POLL_SECONDS = 5
 
 
 def lock_path() -> str:
     return str(dagster_home() / LOCK_NAME)
+
+
+def wake_path() -> str:
+    return lock_path() + ".wake"
+
+
+def wake() -> None:
+    """Tell an idle daemon of this instance that work was just added (it looks at once, not within
+    IDLE_POLL_SECONDS): one file's time, read with a stat a second, instead of two queries a second."""
+    with open(wake_path(), "a"):
+        os.utime(wake_path())
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return 0
 
 
 def work_in_flight(instance: dg.DagsterInstance) -> bool:
@@ -44,9 +67,10 @@ def work_in_flight(instance: dg.DagsterInstance) -> bool:
     return bool(instance.get_backfills(filters=active, limit=1))
 
 
-def _backfill_daemon(settings):
-    """Dagster's BackfillDaemon iterating every second instead of every 30 s: stage transitions of a
-    small run are not held up by the daemon's sleep (dagster#11649)."""
+def _backfill_daemon(settings, busy):
+    """Dagster's BackfillDaemon iterating every second while ``busy`` (an Event: work in flight) instead
+    of every 30 s: stage transitions of a small run are not held up by the daemon's sleep
+    (dagster#11649); every IDLE_POLL_SECONDS while nothing is in flight."""
     from dagster._daemon.backfill import execute_backfill_iteration
     from dagster._daemon.daemon import BackfillDaemon, SpanMarker
 
@@ -65,10 +89,34 @@ def _backfill_daemon(settings):
                     yield DaemonErrorCapture.process_exception(exc_info=sys.exc_info(), logger=self._logger,
                                                                log_message="BackfillDaemon caught an error")
                 yield SpanMarker.END_SPAN
+                busy.wait(IDLE_POLL_SECONDS)  # returns at once while busy; else when work appears
                 shutdown_event.wait(1)
                 yield None
 
     return EverySecond(settings=settings)
+
+
+def _run_queue_daemon(busy):
+    """Dagster's QueuedRunCoordinatorDaemon, paced as the backfill daemon above."""
+    from dagster._daemon.daemon import SpanMarker
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
+    from dagster._daemon.utils import DaemonErrorCapture
+
+    class Paced(QueuedRunCoordinatorDaemon):
+        def core_loop(self, workspace_process_context, shutdown_event):
+            while not shutdown_event.is_set():
+                yield SpanMarker.START_SPAN
+                try:
+                    yield from self.run_iteration(workspace_process_context)
+                except Exception:  # noqa: BLE001 - logged as IntervalDaemon's loop does
+                    yield DaemonErrorCapture.process_exception(exc_info=sys.exc_info(), logger=self._logger,
+                                                               log_message="QueuedRunCoordinatorDaemon caught an error")
+                yield SpanMarker.END_SPAN
+                busy.wait(IDLE_POLL_SECONDS)
+                shutdown_event.wait(1)
+                yield None
+
+    return Paced(interval_seconds=1)
 
 
 def code_location_target():
@@ -99,7 +147,7 @@ def one_planned_event_per_asset() -> None:
 def serve(idle_seconds: float) -> int:
     from dagster._daemon.controller import daemon_controller_from_instance
     from dagster._daemon.daemon import MonitoringDaemon
-    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
+    from dagster._grpc import client as grpc_client
 
     fh = open(lock_path(), "a+")
     try:
@@ -108,9 +156,15 @@ def serve(idle_seconds: float) -> int:
         return 0  # another process of this instance is the run-queue daemon
     one_planned_event_per_asset()
     instance = get_instance()
+    # the ping that keeps the code server alive (it stops after 20 s without one): every 5 s, not every
+    # second (a quarter of this process's idle CPU); a private constant of the pinned Dagster
+    grpc_client.CLIENT_HEARTBEAT_INTERVAL = 5
+
+    busy = threading.Event()  # set while runs or backfills are in flight (the loop below decides)
+    busy.set()  # it was started for work
 
     def daemons(inst: dg.DagsterInstance):
-        out = [QueuedRunCoordinatorDaemon(interval_seconds=1), _backfill_daemon(inst.get_backfill_settings())]
+        out = [_run_queue_daemon(busy), _backfill_daemon(inst.get_backfill_settings(), busy)]
         if inst.run_monitoring_enabled:  # a run worker that died is marked failed, its pool slots freed
             out.append(MonitoringDaemon(interval_seconds=inst.run_monitoring_poll_interval_seconds))
         return out
@@ -122,13 +176,20 @@ def serve(idle_seconds: float) -> int:
         fh.truncate()
         fh.write(controller._daemon_uuid)  # noqa: SLF001 - the id its heartbeats carry
         fh.flush()
-        idle_since = time.monotonic()
+        idle_since = last_check = time.monotonic()
+        woken_at = _mtime(wake_path())
         while True:
             controller.check_daemon_threads()
-            if work_in_flight(instance):
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > idle_seconds:
-                return 0
+            now, poked = time.monotonic(), _mtime(wake_path())
+            if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
+                woken_at, last_check = poked, now
+                if work_in_flight(instance):
+                    busy.set()
+                    idle_since = now
+                elif now - idle_since > idle_seconds:
+                    return 0
+                else:
+                    busy.clear()
             time.sleep(1)
 
 

@@ -255,8 +255,12 @@ def test_scattered_blocks_launch_as_ranges_whose_complete_shards_cost_nothing(tm
             instance=instance, asset_selection=[dg.AssetKey("image_shards")],
             tags={"dagster/asset_partition_range_start": "00000-00001", "dagster/asset_partition_range_end": "00006-00007"})
         assert result.success
-        (mat,) = [m for m in result.asset_materializations_for_node("image_shards") if m.partition == "00000-00001"]
-        assert mat.metadata["shards"].value == 8 and mat.metadata["cached_shards"].value == 6
+        # each block's materialization carries its own shards' figures, not the run's totals
+        mats = {m.partition: m.metadata for m in result.asset_materializations_for_node("image_shards")}
+        assert {p: (m["shards"].value, m["cached_shards"].value) for p, m in mats.items()} == {
+            "00000-00001": (2, 1), "00002-00003": (2, 2), "00004-00005": (2, 2), "00006-00007": (2, 1)}
+        assert [r.data["shard"] for r in mats["00006-00007"]["per_shard"].value.records] == ["00006", "00007"]
+        assert mats["00006-00007"]["shards_in_run"].value == 8
         assert {s: read_stamp(layout, "image_shards", s)["written_at"] for s in before} == before  # untouched
         (planned,) = instance.all_logs(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION_PLANNED)
         assert set(planned.dagster_event.event_specific_data.partitions_subset.get_partition_keys()) == {

@@ -19,7 +19,9 @@ def _per_shard(instance: dg.DagsterInstance, asset: str) -> dict[str, dict]:
     return {r.data["shard"]: r.data for r in meta["per_shard"].value.records}, meta
 
 
-def test_a_block_run_embeds_each_shard_while_the_next_one_downloads(tmp_path, tiny_clip_dir):
+def test_a_block_run_embeds_each_shard_while_the_next_one_downloads(tmp_path, tiny_clip_dir, monkeypatch):
+    # a device of its own (the CPU "device" is leased through a lock file other tests may hold)
+    monkeypatch.setenv("SHARDPREP_DEVICE_LOCK_DIR", str(tmp_path / "device-locks"))
     # 4 shards of 8 rows in one block; images answer after 0.3 s (2 threads: ~1.2 s a shard's download)
     with slow_image_source(tmp_path, tiny_clip_dir, rows=32, samples_per_shard=8, slow_seconds=0.3,
                            thread_count=2, seed=7, batch_size=16, shards_per_partition=4) as (config, layout):

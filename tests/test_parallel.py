@@ -69,8 +69,20 @@ def two_shards_per_run(monkeypatch):
     monkeypatch.setenv("SHARDPREP_GPU_SHARDS_PER_RUN", "2")
 
 
-def test_downloads_overlap_embedding_and_gpu_steps_each_lease_their_own_device(slow_source, tmp_path,
-                                                                             two_shards_per_run, monkeypatch):
+def embedding_work(instance: dg.DagsterInstance) -> dict[str, dict]:
+    """``{shard: figures}`` of every shard clip_embeddings wrote (by its step, or following the
+    download): when (started_at, finished_at) and on which device."""
+    out = {}
+    for record in instance.fetch_materializations(dg.AssetKey("clip_embeddings"), limit=1000).records:
+        meta = record.asset_materialization.metadata
+        rows = [r.data for r in meta["per_shard"].value.records] if "per_shard" in meta else \
+            [{"shard": record.partition_key, **{k: v.value for k, v in meta.items()}}]
+        out.update({r["shard"]: r for r in rows if r.get("status") == "written"})
+    return out
+
+
+def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_source, tmp_path, two_shards_per_run,
+                                                                         monkeypatch):
     monkeypatch.setenv("SHARDPREP_SIMULATED_DEVICES", "3")  # three CPU-backed "GPUs"
     monkeypatch.setenv("SHARDPREP_DEVICE_LOCK_DIR", str(tmp_path / "device-locks"))
     config, layout = slow_source
@@ -81,16 +93,28 @@ def test_downloads_overlap_embedding_and_gpu_steps_each_lease_their_own_device(s
         assert summary.materialized["reordered_embeddings"] == 6
         device = {r.run_id: r.tags.get("shardprep/device/clip_embeddings") for r in instance.get_runs()}
         done = steps(instance)
+        work = embedding_work(instance)
+        # a run of two shard partitions gives each its own figures, not the run's totals
+        images = {r.partition_key: r.asset_materialization.metadata for r in instance.fetch_materializations(
+            dg.AssetKey("image_shards"), limit=100).records}
     downloads = [s for s in done if s.asset == "image_shards"]
     embeds = [s for s in done if s.asset == "clip_embeddings"]
     assert len(downloads) == len(embeds) == 3  # two shards per run, every per-shard asset in one run
-    assert any(d.overlaps(e) for d in downloads for e in embeds), "no download overlapped an embedding"
     assert most_at_once(downloads) == 2  # the download pool's limit, reached and never exceeded
+    assert {p: m["samples"].value for p, m in images.items()} == {f"{i:05d}": 8 for i in range(6)}
+    assert all(m["shards_in_run"].value == 2 for m in images.values())
 
-    # GPU steps: each on a leased device, named in its run's tags; never two at once on one device
-    assert {device[s.run_id] for s in embeds} <= {"sim0", "sim1", "sim2"}
-    together = [(a, b) for a in embeds for b in embeds if a.run_id < b.run_id and a.overlaps(b)]
-    assert together, "no two GPU steps ran at once: nothing was tested"
+    # every shard embedded, each after its own download and (the first of a run) while the run's next
+    # shard downloaded, or in another run beside a download
+    assert sorted(work) == [f"{i:05d}" for i in range(6)]
+    spans = [Step(w["device"], k, w["started_at"], w["finished_at"]) for k, w in work.items()]
+    assert any(d.overlaps(e) for d in downloads for e in spans), "no download overlapped an embedding"
+    # GPU work: on a device leased for the download step it follows (or for the clip step), named in the
+    # run's tags; two runs downloading at once embed on two devices, never one
+    assert {s.asset for s in spans} <= {"sim0", "sim1", "sim2"}
+    assert {device[s.run_id] for s in downloads} <= {"sim0", "sim1", "sim2"}
+    together = [(a, b) for a in downloads for b in downloads if a.run_id < b.run_id and a.overlaps(b)]
+    assert together, "no two runs downloaded (and embedded) at once: nothing was tested"
     assert all(device[a.run_id] != device[b.run_id] for a, b in together)
 
 
