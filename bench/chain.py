@@ -145,7 +145,7 @@ def _shard_spans(instance, asset: str, started: float) -> dict[str, tuple[float,
     import dagster as dg
 
     out = {}
-    for record in instance.fetch_materializations(dg.AssetKey(asset), limit=100_000).records:
+    for record in instance.fetch_materializations(dg.AssetKey(asset), limit=10_000).records:
         meta = record.asset_materialization.metadata
         rows = [r.data for r in meta["per_shard"].value.records] if "per_shard" in meta else \
             [{"shard": record.partition_key, **{k: v.value for k, v in meta.items()}}]

@@ -26,13 +26,16 @@ import dagster as dg
 from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
 LOCK_NAME = ".shardprep-queue-daemon.lock"
+FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (launch.HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
 CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
-# How often the backfill daemon iterates: every second while runs or backfills are in flight (a small
-# run's next stage is not held up, dagster#11649), every IDLE_POLL_SECONDS otherwise, or at once when a
-# client wakes it (``wake``); the idle check runs as often.
+# When Dagster's run-queue and backfill daemons iterate: within a second of a change of the runs' or
+# backfills' state (a run queued or finished, a backfill added: the small runs' next stage is not held up,
+# dagster#11649), else every BUSY_POLL_SECONDS while work is in flight; the state is read every second
+# then, every IDLE_POLL_SECONDS when nothing is in flight, and at once when a client wakes the daemon.
+BUSY_POLL_SECONDS = 15
 IDLE_POLL_SECONDS = 5
 
 
@@ -58,23 +61,34 @@ def _mtime(path: str) -> float:
         return 0
 
 
-def work_in_flight(instance: dg.DagsterInstance) -> bool:
+def _active_backfills():
     from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
-    if instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)):
-        return True
-    active = BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING])
-    return bool(instance.get_backfills(filters=active, limit=1))
+    return BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING])
 
 
-def _backfill_daemon(settings, busy):
-    """Dagster's BackfillDaemon iterating every second while ``busy`` (an Event: work in flight) instead
-    of every 30 s: stage transitions of a small run are not held up by the daemon's sleep
-    (dagster#11649); every IDLE_POLL_SECONDS while nothing is in flight."""
+def _state(instance: dg.DagsterInstance) -> tuple[int, int, int]:
+    """(runs in flight, runs finished, backfills active): three counts whose change means the daemons have
+    something to do (a run to launch, a finished run's downstream to request, a backfill to start)."""
+    return (instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
+            instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
+            instance.get_backfills_count(filters=_active_backfills()))
+
+
+def _until(poke: threading.Event, shutdown_event: threading.Event):
+    """A daemon loop's wait for its next iteration: until ``poke`` is set (then cleared), yielding every
+    second so the controller sees the thread alive."""
+    while not shutdown_event.is_set() and not poke.wait(1):
+        yield None
+    poke.clear()
+
+
+def _backfill_daemon(settings, poke: threading.Event):
+    """Dagster's BackfillDaemon iterating when ``poke``d (see BUSY_POLL_SECONDS) instead of every 30 s."""
     from dagster._daemon.backfill import execute_backfill_iteration
     from dagster._daemon.daemon import BackfillDaemon, SpanMarker
 
-    class EverySecond(BackfillDaemon):
+    class Poked(BackfillDaemon):
         def core_loop(self, workspace_process_context, shutdown_event):
             futures: dict = {}
             while not shutdown_event.is_set():
@@ -89,14 +103,12 @@ def _backfill_daemon(settings, busy):
                     yield DaemonErrorCapture.process_exception(exc_info=sys.exc_info(), logger=self._logger,
                                                                log_message="BackfillDaemon caught an error")
                 yield SpanMarker.END_SPAN
-                busy.wait(IDLE_POLL_SECONDS)  # returns at once while busy; else when work appears
-                shutdown_event.wait(1)
-                yield None
+                yield from _until(poke, shutdown_event)
 
-    return EverySecond(settings=settings)
+    return Poked(settings=settings)
 
 
-def _run_queue_daemon(busy):
+def _run_queue_daemon(poke: threading.Event):
     """Dagster's QueuedRunCoordinatorDaemon, paced as the backfill daemon above."""
     from dagster._daemon.daemon import SpanMarker
     from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
@@ -112,9 +124,7 @@ def _run_queue_daemon(busy):
                     yield DaemonErrorCapture.process_exception(exc_info=sys.exc_info(), logger=self._logger,
                                                                log_message="QueuedRunCoordinatorDaemon caught an error")
                 yield SpanMarker.END_SPAN
-                busy.wait(IDLE_POLL_SECONDS)
-                shutdown_event.wait(1)
-                yield None
+                yield from _until(poke, shutdown_event)
 
     return Paced(interval_seconds=1)
 
@@ -160,11 +170,10 @@ def serve(idle_seconds: float) -> int:
     # second (a quarter of this process's idle CPU); a private constant of the pinned Dagster
     grpc_client.CLIENT_HEARTBEAT_INTERVAL = 5
 
-    busy = threading.Event()  # set while runs or backfills are in flight (the loop below decides)
-    busy.set()  # it was started for work
+    pokes = [threading.Event(), threading.Event()]  # the run-queue and backfill daemons' next iteration
 
     def daemons(inst: dg.DagsterInstance):
-        out = [_run_queue_daemon(busy), _backfill_daemon(inst.get_backfill_settings(), busy)]
+        out = [_run_queue_daemon(pokes[0]), _backfill_daemon(inst.get_backfill_settings(), pokes[1])]
         if inst.run_monitoring_enabled:  # a run worker that died is marked failed, its pool slots freed
             out.append(MonitoringDaemon(interval_seconds=inst.run_monitoring_poll_interval_seconds))
         return out
@@ -176,20 +185,23 @@ def serve(idle_seconds: float) -> int:
         fh.truncate()
         fh.write(controller._daemon_uuid)  # noqa: SLF001 - the id its heartbeats carry
         fh.flush()
-        idle_since = last_check = time.monotonic()
-        woken_at = _mtime(wake_path())
+        idle_since = last_check = last_poke = time.monotonic()
+        woken_at, seen, busy = _mtime(wake_path()), None, True
         while True:
             controller.check_daemon_threads()
             now, poked = time.monotonic(), _mtime(wake_path())
-            if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
+            if busy or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
                 woken_at, last_check = poked, now
-                if work_in_flight(instance):
-                    busy.set()
+                state = _state(instance)
+                busy = bool(state[0] or state[2])
+                if state != seen or (busy and now - last_poke >= BUSY_POLL_SECONDS):
+                    seen, last_poke = state, now
+                    for poke in pokes:
+                        poke.set()
+                if busy:
                     idle_since = now
                 elif now - idle_since > idle_seconds:
                     return 0
-                else:
-                    busy.clear()
             time.sleep(1)
 
 
