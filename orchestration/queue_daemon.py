@@ -129,6 +129,20 @@ def _run_queue_daemon(poke: threading.Event):
     return Paced(interval_seconds=1)
 
 
+def _monitoring_daemon(interval: float, busy: threading.Event):
+    """Dagster's MonitoringDaemon (a run worker that died is marked failed, its pool slots freed) every
+    ``interval`` s while runs are in flight (``busy``); idle, it waits for them."""
+    from dagster._daemon.daemon import MonitoringDaemon
+
+    class WhileBusy(MonitoringDaemon):
+        def run_iteration(self, workspace_process_context):
+            while not busy.wait(1):
+                yield None  # the controller sees the thread alive
+            yield from super().run_iteration(workspace_process_context)
+
+    return WhileBusy(interval_seconds=interval)
+
+
 def code_location_target():
     """The code location by module name, as every process of the distribution loads it."""
     import importlib.util
@@ -156,7 +170,6 @@ def one_planned_event_per_asset() -> None:
 
 def serve(idle_seconds: float) -> int:
     from dagster._daemon.controller import daemon_controller_from_instance
-    from dagster._daemon.daemon import MonitoringDaemon
     from dagster._grpc import client as grpc_client
 
     fh = open(lock_path(), "a+")
@@ -171,11 +184,12 @@ def serve(idle_seconds: float) -> int:
     grpc_client.CLIENT_HEARTBEAT_INTERVAL = 5
 
     pokes = [threading.Event(), threading.Event()]  # the run-queue and backfill daemons' next iteration
+    busy = threading.Event()  # runs or backfills in flight
 
     def daemons(inst: dg.DagsterInstance):
         out = [_run_queue_daemon(pokes[0]), _backfill_daemon(inst.get_backfill_settings(), pokes[1])]
-        if inst.run_monitoring_enabled:  # a run worker that died is marked failed, its pool slots freed
-            out.append(MonitoringDaemon(interval_seconds=inst.run_monitoring_poll_interval_seconds))
+        if inst.run_monitoring_enabled:
+            out.append(_monitoring_daemon(inst.run_monitoring_poll_interval_seconds, busy))
         return out
 
     with daemon_controller_from_instance(instance, code_location_target(), gen_daemons=daemons,
@@ -186,19 +200,23 @@ def serve(idle_seconds: float) -> int:
         fh.write(controller._daemon_uuid)  # noqa: SLF001 - the id its heartbeats carry
         fh.flush()
         idle_since = last_check = last_poke = time.monotonic()
-        woken_at, seen, busy = _mtime(wake_path()), None, True
+        woken_at, seen = _mtime(wake_path()), None
+        busy.set()  # it was started for work
         while True:
             controller.check_daemon_threads()
             now, poked = time.monotonic(), _mtime(wake_path())
-            if busy or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
+            if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
                 woken_at, last_check = poked, now
                 state = _state(instance)
-                busy = bool(state[0] or state[2])
-                if state != seen or (busy and now - last_poke >= BUSY_POLL_SECONDS):
+                if state[0] or state[2]:
+                    busy.set()
+                else:
+                    busy.clear()
+                if state != seen or (busy.is_set() and now - last_poke >= BUSY_POLL_SECONDS):
                     seen, last_poke = state, now
                     for poke in pokes:
                         poke.set()
-                if busy:
+                if busy.is_set():
                     idle_since = now
                 elif now - idle_since > idle_seconds:
                     return 0
