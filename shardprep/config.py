@@ -87,6 +87,9 @@ class DatasetConfig(BaseModel):
     max_image_pixels: PositiveInt = 89_478_485  # PIL's decompression-bomb threshold
     allow_private_addresses: Flag = False
     user_agent: Text = "shardprep/0.1 (+https://github.com/shardprep)"
+    # image URLs whose path the site's robots.txt disallows for user_agent's product token are not
+    # fetched (shardprep/robots.py: RFC 9309, fetched once per site and process)
+    respect_robots_txt: Flag = True
     # video rows (video_shards): a second source of parquet files, each file's shards are video shards
     # (WebVid: video_url_col contentUrl, video_caption_col name); null: an image-only dataset
     video_source: Text | None = Field(None, description="a parquet file, folder or glob (like 'source'), or null")

@@ -14,13 +14,22 @@ Abandoning downloads (the process is stopping: SIGTERM/SIGINT, a Celery warm shu
 sockets are shut down, so reads blocked on a server that drips bytes or never answers return at once,
 and every ``fetch`` on it raises ``DownloadsAborted`` instead of returning a per-URL failure: an
 abandoned download is not a failed one, and a shard must not be written with it.
+
+Rate limits: an HTTP 429 or 503 with a ``Retry-After`` (delta-seconds or an HTTP-date, RFC 9110
+§10.2.3) is waited out and asked again, within the URL's deadline and at most ``RATE_LIMIT_WAITS``
+times (a wait is not one of the ``retries``); a wait that would pass the deadline fails the URL at
+once with ``rate limited (HTTP 429, Retry-After N s)``. Without the header they are plain failures
+(``HTTP Error 429: Too Many Requests``), retried like any other.
 """
 
 from __future__ import annotations
 
+import datetime
 import email.parser
+import email.utils
 import http.client
 import ipaddress
+import math
 import re
 import select
 import socket
@@ -44,6 +53,9 @@ REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 # img2dataset's default disallowed X-Robots-Tag directives
 DISALLOWED_DIRECTIVES = frozenset({"noai", "noimageai", "noindex", "noimageindex"})
 DEFAULT_USER_AGENT = "shardprep/0.1 (+https://github.com/shardprep)"
+# answers whose Retry-After is honoured (RFC 9110 §10.2.3 names 503 and 3xx; 429 is RFC 6585's)
+RETRY_AFTER_STATUSES = (429, 503)
+RATE_LIMIT_WAITS = 3  # per URL: a server that keeps asking to wait is not waited on forever
 _CHUNK = 64 * 1024
 
 
@@ -58,6 +70,15 @@ class _Refused(Exception):
 
 class _Failed(Exception):
     """A failure with an img2dataset-like message (retried like img2dataset does)."""
+
+
+class _HTTPError(_Failed):
+    """A final answer that is not 2xx: urllib's ``HTTP Error 404: Not Found`` text, with the status and
+    the seconds its ``Retry-After`` asks to wait (``None``: not asked, or not a 429/503)."""
+
+    def __init__(self, status: int, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(f"HTTP Error {status}: {reason}")
+        self.status, self.retry_after = status, retry_after
 
 
 class DownloadsAborted(ShardprepError, RuntimeError):
@@ -416,9 +437,32 @@ def _host_header(host: str, port: int, scheme: str) -> str:
     return shown if port == (443 if scheme == "https" else 80) else f"{shown}:{port}"
 
 
-def _read_body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
+def retry_after_seconds(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` value asks to wait: delta-seconds or an HTTP-date (0 when it is past);
+    ``None`` when absent or unreadable (then nothing was asked)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC, as every HTTP-date is
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
+
+
+def rate_limited(status: int, seconds: float) -> str:
+    """The failure of a URL whose server asks to wait longer than its deadline allows."""
+    return f"rate limited (HTTP {status}, Retry-After {math.ceil(seconds)} s)"
+
+
+def _read_body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float, truncate: bool = False) -> bytes:
+    """The body, refused past ``max_bytes`` (``truncate``: cut there instead, the rest left unread)."""
     length = resp.getheader("Content-Length")
-    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+    if not truncate and length is not None and length.strip().isdigit() and int(length) > max_bytes:
         raise _Refused(f"file too large to download (> {max_bytes} bytes)")
     chunks: list[bytes] = []
     size = 0
@@ -431,6 +475,9 @@ def _read_body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float) 
             return b"".join(chunks)
         size += len(chunk)
         if size > max_bytes:
+            if truncate:
+                chunks.append(chunk)
+                return b"".join(chunks)[:max_bytes]
             raise _Refused(f"file too large to download (> {max_bytes} bytes)")
         chunks.append(chunk)
 
@@ -468,6 +515,7 @@ def _fetch_once(
     user_agent: str,
     user_agent_token: str | None,
     disallowed: frozenset[str],
+    truncate: bool = False,
 ) -> bytes:
     current = url
     for _hop in range(MAX_REDIRECTS + 1):
@@ -517,12 +565,14 @@ def _fetch_once(
                 continue
             if not 200 <= resp.status < 300:
                 # urllib's HTTPError text, as img2dataset records it
-                raise _Failed(f"HTTP Error {resp.status}: {resp.reason}")
+                wait = (retry_after_seconds(resp.getheader("Retry-After"))
+                        if resp.status in RETRY_AFTER_STATUSES else None)
+                raise _HTTPError(resp.status, resp.reason, wait)
             if disallowed and _is_disallowed(resp.headers.get_all("X-Robots-Tag") or [], user_agent_token,
                                              disallowed):
                 raise _Failed("Use of image disallowed by X-Robots-Tag directive")
-            data = _read_body(resp, max_bytes, deadline)
-            body_read = True
+            data = _read_body(resp, max_bytes, deadline, truncate)
+            body_read = not truncate or resp.isclosed()  # a body cut short has bytes left unread
             return data
         finally:
             # the connection is kept only when no unread body is left on it: an unread one (error,
@@ -553,6 +603,8 @@ def fetch(
 
     ``trusted_hosts``: host names exempt from the address guard (e.g. an internal mirror).
     Refusals (guard, scheme, size cap, redirect loop) are not retried: the answer would not change.
+    A 429 or 503 with ``Retry-After`` is waited out and asked again within the deadline (see the
+    module's docstring).
     Raises ``DownloadsAborted`` (at once, without network) when ``pool`` is or gets aborted: whatever
     the attempt saw then (an error, a body cut short) is the abort's doing, not the URL's.
     """
@@ -561,37 +613,92 @@ def fetch(
     deadline = time.monotonic() + (total_timeout if total_timeout is not None else default_deadline(timeout, retries))
     trusted = frozenset(trusted_hosts)
     error = "timed out"
-    for _attempt in range(retries + 1):
+    attempts = waits = 0
+    while attempts <= retries:
         _raise_if_aborted(pool)
         if time.monotonic() >= deadline:
             break
-        final, error = _attempt_once(url.strip(), pool, timeout, max_bytes, deadline, allow_private, trusted,
-                                     user_agent, user_agent_token, disallowed_directives)
+        final, error, answer = _attempt_once(url.strip(), pool, timeout, max_bytes, deadline, allow_private, trusted,
+                                             user_agent, user_agent_token, disallowed_directives)
         # a body read up to the EOF that abort()'s shutdown caused can look complete (no Content-Length)
         _raise_if_aborted(pool)
         if final is not None:
             return final
+        wait = answer.retry_after if answer is not None else None
+        if wait is None:
+            attempts += 1
+            continue
+        # the server said when to ask again: asking sooner (a plain retry) would only be refused again
+        if waits >= RATE_LIMIT_WAITS or time.monotonic() + wait >= deadline:
+            return Fetched(None, rate_limited(answer.status, wait))
+        waits += 1
+        _pause(pool, wait)
     return Fetched(None, error)
 
 
-def _attempt_once(url: str, pool: AbortablePool, *args) -> tuple[Fetched | None, str]:
-    """One attempt: (the answer, "") when it is final (data or a refusal), else (None, why it failed)."""
+def _pause(pool: AbortablePool, seconds: float) -> None:
+    """Sleep ``seconds``; ``pool.abort()`` ends it at once (``DownloadsAborted``)."""
+    woken = threading.Event()
+    pool.wake_on_abort(woken)
+    woken.wait(seconds)
+    _raise_if_aborted(pool)
+
+
+class Document(NamedTuple):
+    """What ``fetch_document`` got: ``data`` for a 2xx answer; else ``status``, a final answer that was
+    not 2xx (redirects followed), or only ``error`` (no answer: img2dataset's wording), ``refused`` when
+    the URL or a redirect was refused (guard, scheme, redirect loop: asking again would not change it)."""
+
+    data: bytes | None
+    status: int | None
+    error: str | None
+    refused: bool = False
+
+
+def fetch_document(
+    url: str,
+    *,
+    pool: AbortablePool,
+    timeout: float,
+    max_bytes: int,
+    allow_private: bool = False,
+    trusted_hosts: frozenset[str] | tuple[str, ...] = (),
+    user_agent: str = DEFAULT_USER_AGENT,
+) -> Document:
+    """One GET of a small text (robots.txt) through ``fetch``'s transport, pool and address guard:
+    redirects followed, the body cut at ``max_bytes`` rather than refused, the status of an answer that
+    is not 2xx kept, no retry and no X-Robots-Tag check. Raises ``DownloadsAborted`` as ``fetch`` does."""
+    _raise_if_aborted(pool)
+    deadline = time.monotonic() + default_deadline(timeout)
+    final, error, answer = _attempt_once(url, pool, timeout, max_bytes, deadline, allow_private,
+                                         frozenset(trusted_hosts), user_agent, None, frozenset(), True)
+    _raise_if_aborted(pool)
+    if final is not None:
+        return Document(final.data, None, final.error, refused=final.error is not None)
+    return Document(None, answer.status if answer is not None else None, error)
+
+
+def _attempt_once(url: str, pool: AbortablePool, *args) -> tuple[Fetched | None, str, _HTTPError | None]:
+    """One attempt: (the answer, "", None) when it is final (data or a refusal), else (None, why it
+    failed, the answer when it was an HTTP status)."""
     try:
-        return Fetched(_fetch_once(url, pool, *args), None), ""
+        return Fetched(_fetch_once(url, pool, *args), None), "", None
     except _Refused as e:
-        return Fetched(None, str(e)), ""
+        return Fetched(None, str(e)), "", None
+    except _HTTPError as e:
+        return None, str(e), e
     except _Failed as e:
-        return None, str(e)
+        return None, str(e), None
     except _ConnectFailed as e:
         cause = e.args[0]
         if isinstance(cause, (socket.timeout, TimeoutError)):
-            return None, "timed out"
-        return None, f"<urlopen error {cause}>"  # urllib's wording: "<urlopen error [Errno 111] ...>"
+            return None, "timed out", None
+        return None, f"<urlopen error {cause}>", None  # urllib's wording: "<urlopen error [Errno 111] ...>"
     except (socket.timeout, TimeoutError):
-        return None, "timed out"
+        return None, "timed out", None
     except ssl.SSLError as e:  # before OSError, which it is
-        return None, f"<urlopen error {e}>"
+        return None, f"<urlopen error {e}>", None
     except (http.client.HTTPException, ConnectionError) as e:  # cut off, reset, not HTTP
-        return None, f"connection broken: {e!r}"
+        return None, f"connection broken: {e!r}", None
     except (OSError, ValueError) as e:  # any other transport-level problem
-        return None, f"{type(e).__name__}: {e}"
+        return None, f"{type(e).__name__}: {e}", None

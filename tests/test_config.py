@@ -66,6 +66,7 @@ BAD_VALUES = {
     "max_image_pixels": _NOT_POSITIVE,
     "allow_private_addresses": _NOT_FLAG,
     "user_agent": _NOT_TEXT,
+    "respect_robots_txt": _NOT_FLAG,
     "video_source": ["", "  ", 5, ["a"]],
     "video_url_col": _NOT_TEXT,
     "video_caption_col": ["", "  ", 3, ["name"]],

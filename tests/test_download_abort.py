@@ -74,6 +74,8 @@ class _SlowServer(socketserver.ThreadingTCPServer):
         self.paths: list[str] = []
 
     def record(self, path: str) -> None:
+        if path == "/robots.txt":  # the engine's, once per site and process (answered "ok": no rules)
+            return
         with self._lock:
             self.paths.append(path)
 

@@ -54,6 +54,7 @@ def test_versions_follow_the_fields_each_artifact_reads():
     speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count",
                   "shards_per_partition", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
+                  "respect_robots_txt",  # which URLs are fetched, like the address guard: shards kept are not redone
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
                   "video_thread_count", "video_decode_threads", "video_timeout",
                   "watermark_model"}  # not run yet: image_scores says so

@@ -9,7 +9,9 @@ Per shard (``shard = shard_key(shard_id)``) under ``Layout.images_dir``:
 * ``{shard}_stats.json``: img2dataset's fields; written last, it marks the shard complete.
 
 Differences from img2dataset, by design: samples and parquet rows are in key order (not download
-completion order), so a shard's content is deterministic; a shard without successes has no tar.
+completion order), so a shard's content is deterministic; a shard without successes has no tar; with
+``respect_robots_txt`` (the default), a URL its site's robots.txt disallows is not fetched
+(``failed_to_download``, ``robots.txt disallows``: ``shardprep.robots``).
 
 A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
 process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
@@ -35,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardprep import robots
 from shardprep.config import DatasetConfig
 from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, fetch, make_pool
 from shardprep.images.resize import resize_image
@@ -251,10 +254,16 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     # an older, complete run of this shard must not look complete while it is being rewritten
     remove(layout.shard_stats(shard))
 
+    download = partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
+                       retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent)
+    if cfg.respect_robots_txt:
+        # robots.txt asked before the URL (once per site and process): a disallowed URL is never requested
+        download = partial(robots.download_allowed, download=download, pool=pool,
+                           policies=robots.shared(cfg.allow_private_addresses),
+                           token=robots.product_token(cfg.user_agent), timeout=cfg.timeout, user_agent=cfg.user_agent)
     work = partial(
         _process_one,
-        download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
-                         retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent),
+        download=download,
         resize=partial(resize_image, image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                        resize_only_if_bigger=cfg.resize_only_if_bigger, encode_format=cfg.encode_format,
                        encode_quality=cfg.encode_quality, max_image_pixels=cfg.max_image_pixels,
