@@ -45,3 +45,18 @@ def s3_server(tmp_path_factory):
     server = seaweed.start(tmp_path_factory.mktemp("seaweedfs"))
     yield server
     seaweed.stop(server)
+
+
+@pytest.fixture
+def scripted_server():
+    """A ScriptedServer on 127.0.0.1 (tests/fixtures/scripted_http.py), with the process's robots.txt
+    policies forgotten before and after: they are kept by authority, and a port another test's server had
+    must carry nothing over."""
+    from shardprep import robots
+    from tests.fixtures.scripted_http import ScriptedServer
+
+    robots.forget_all()
+    server = ScriptedServer()
+    yield server
+    server.stop()
+    robots.forget_all()

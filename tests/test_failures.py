@@ -12,24 +12,15 @@ from shardprep.failures import classify
 from shardprep.fetch import fetch, make_pool
 from shardprep.images.resize import resize_image
 from tests.fixtures import synthetic
-from tests.fixtures.scripted_http import Reply, ScriptedServer
+from tests.fixtures.scripted_http import Reply
 
 TRANSIENT_STATUSES = [408, 425, 429, 500, 502, 503, 504]
 PERMANENT_STATUSES = [400, 401, 403, 404, 410, 451]
 
 
-@pytest.fixture(autouse=True)
-def fresh_policies():
-    robots.forget_all()
-    yield
-    robots.forget_all()
-
-
 @pytest.fixture
-def server():
-    s = ScriptedServer()
-    yield s
-    s.stop()
+def server(scripted_server):
+    return scripted_server
 
 
 def _fetch(url: str, **kw) -> str:

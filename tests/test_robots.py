@@ -38,19 +38,9 @@ Disallow: /tie
 """
 
 
-@pytest.fixture(autouse=True)
-def fresh_policies():
-    # policies are kept per process by authority: a port that another test's server had carries nothing over
-    robots.forget_all()
-    yield
-    robots.forget_all()
-
-
 @pytest.fixture
-def server():
-    s = ScriptedServer()
-    yield s
-    s.stop()
+def server(scripted_server):
+    return scripted_server
 
 
 def _jpeg(i: int = 0) -> bytes:
