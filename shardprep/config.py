@@ -90,6 +90,13 @@ class DatasetConfig(BaseModel):
     # image URLs whose path the site's robots.txt disallows for user_agent's product token are not
     # fetched (shardprep/robots.py: RFC 9309, fetched once per site and process)
     respect_robots_txt: Flag = True
+    # per-host politeness (shardprep/politeness.py), for all image-download processes of the machine
+    # together: requests in flight to one host, and requests started per second per host (0: no limit)
+    per_host_connections: NonNegativeInt = Field(64, description="an integer >= 0 (0: no limit)")
+    per_host_requests_per_second: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                                description="a number >= 0 (0: no limit)")
+    # the folder whose files share those limits between processes (null: under the system temp dir)
+    per_host_state_dir: Text | None = Field(None, description="a local folder path, or null (the system temp dir)")
     # video rows (video_shards): a second source of parquet files, each file's shards are video shards
     # (WebVid: video_url_col contentUrl, video_caption_col name); null: an image-only dataset
     video_source: Text | None = Field(None, description="a parquet file, folder or glob (like 'source'), or null")

@@ -55,6 +55,8 @@ def test_versions_follow_the_fields_each_artifact_reads():
                   "shards_per_partition", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
                   "respect_robots_txt",  # which URLs are fetched, like the address guard: shards kept are not redone
+                  # how fast a host is asked, not what a shard holds
+                  "per_host_connections", "per_host_requests_per_second", "per_host_state_dir",
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
                   "video_thread_count", "video_decode_threads", "video_timeout",
                   "watermark_model"}  # not run yet: image_scores says so

@@ -11,7 +11,8 @@ Per shard (``shard = shard_key(shard_id)``) under ``Layout.images_dir``:
 Differences from img2dataset, by design: samples and parquet rows are in key order (not download
 completion order), so a shard's content is deterministic; a shard without successes has no tar; with
 ``respect_robots_txt`` (the default), a URL its site's robots.txt disallows is not fetched
-(``failed_to_download``, ``robots.txt disallows``: ``shardprep.robots``).
+(``failed_to_download``, ``robots.txt disallows``: ``shardprep.robots``); requests to one host are
+limited in number and rate for all processes of the machine (``shardprep.politeness``).
 
 A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
 process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
@@ -37,9 +38,9 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardprep import robots
+from shardprep import politeness, robots
 from shardprep.config import DatasetConfig
-from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, fetch, make_pool
+from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.resize import resize_image
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
@@ -256,6 +257,12 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
 
     download = partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
                        retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent)
+    if cfg.per_host_connections or cfg.per_host_requests_per_second:
+        # inside the robots.txt check: a disallowed URL takes no slot and no turn
+        download = partial(politeness.polite_download, download=download, pool=pool,
+                           limits=politeness.shared(cfg.per_host_state_dir, cfg.per_host_connections,
+                                                    cfg.per_host_requests_per_second),
+                           deadline_seconds=default_deadline(cfg.timeout, cfg.retries))
     if cfg.respect_robots_txt:
         # robots.txt asked before the URL (once per site and process): a disallowed URL is never requested
         download = partial(robots.download_allowed, download=download, pool=pool,
