@@ -94,6 +94,31 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    from shardprep.errors import ShardprepError
+    from shardprep.images.retry import parse_reasons
+    from shardprep_dagster.orchestration.retry import retry
+
+    try:
+        reasons = parse_reasons(args.reasons)
+        reports = retry(args.config, reasons, shards=args.shards, on_report=lambda r: print(r.summary(), flush=True))
+    except (ShardprepError, ValueError) as e:  # a bad config, selection or reason class: named
+        print(f"shardprep retry: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a shard that could not be rewritten: named, exit 1
+        print(f"shardprep retry: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    retried = sum(r.retried for r in reports)
+    recovered = sum(r.recovered for r in reports)
+    changed = [r.shard for r in reports if r.invalidated]
+    print(f"{len(reports)} shard(s) looked at, {retried} row(s) retried, {recovered} now successful, "
+          f"{retried - recovered} still failed")
+    if changed:
+        print(f"{len(changed)} shard(s) gained samples: their downstream outputs are marked to be made again; "
+              "run `shardprep run` to make them")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from shardprep_dagster.orchestration.status import status
 
@@ -157,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     reshard.add_argument("--config", required=True, help="dataset config YAML")
     reshard.add_argument("--source", required=True, help="the source file (path or URL) to re-shard")
     reshard.set_defaults(func=cmd_reshard)
+    retry = sub.add_parser("retry", help="download again the failed rows of finished image shards whose failure "
+                           "may pass (timeouts, 429, 5xx, connection); the next `run` redoes their downstream")
+    retry.add_argument("--config", required=True, help="dataset config YAML")
+    retry.add_argument("--reasons", default="transient",
+                       help="transient (default), or some of timeout,429,5xx,connection,robots or a "
+                            "transient HTTP status (503); permanent failures are never retried")
+    retry.add_argument("--shards", help="only these shards, e.g. 12-40,55")
+    retry.set_defaults(func=cmd_retry)
     status = sub.add_parser("status", help="per asset: shards materialized / failed / missing ($DAGSTER_HOME)")
     status.add_argument("--config", help="dataset config YAML (default: the code location's)")
     status.set_defaults(func=cmd_status)
