@@ -50,6 +50,10 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
         return
     from shardprep_dagster.assets.embeddings import embed_shard  # the clip asset's own per-shard work
 
+    # figures an earlier run of this process left (its clip step never ran: the download step failed) are
+    # not this run's
+    for stale in [k for k in FOLLOWED if k[0] == FOLLOWER]:
+        del FOLLOWED[stale]
     layout, version = dataset.layout, dataset.versions[FOLLOWER]
     rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
     todo: queue.Queue[str | None] = queue.Queue()
