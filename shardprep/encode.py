@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Callable, Iterable, Iterator, NamedTuple, TypeVar
 
+from shardprep import waiting
 from shardprep.images.shards import ordered_map
 from shardprep.storage import exists, remove
 from shardprep.tars import TarWriter, iter_samples
@@ -141,7 +142,7 @@ def prepared_ahead(batches: Iterable[list[dict]], prepare: Callable[[dict, int, 
     def ready(futures: list) -> list[dict]:
         items = []
         for fut in futures:
-            for item in fut.result():
+            for item in waiting.result(fut):
                 if "reason" in item:
                     _record(item, failures)
                 else:

@@ -430,3 +430,43 @@ def test_a_celery_warm_shutdown_abandons_the_downloads_and_the_worker_exits(tmp_
     assert seconds < 5
     assert _files_under(tmp_path / "out") == []
     assert slow_server.hits() == 4
+
+
+_SIGNAL_ON_A_WORKER = """
+import os, signal, sys, threading, time
+from shardprep.images.shards import ordered_map
+
+stop, workers = threading.Event(), []
+
+def slow(i):
+    workers.append(threading.get_ident())
+    stop.wait(30)
+    return i
+
+def deliver():  # the kernel may hand a process-directed SIGINT to any thread: here, a download thread
+    while not workers:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    signal.pthread_kill(workers[0], signal.SIGINT)
+
+threading.Thread(target=deliver, daemon=True).start()
+start = time.monotonic()
+try:
+    for _ in ordered_map(slow, range(2), threads=2, max_in_flight=2, on_abort=stop.set):
+        pass
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
+    sys.exit(0)
+print("finished without an interrupt", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_sigint_delivered_to_a_download_thread_still_stops_the_shard_at_once(tmp_path):
+    # the main thread waits for results in short slices (shardprep.waiting): a signal that landed on a worker
+    # is handled within a slice, not when the 30 s download ends
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_ON_A_WORKER], env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seconds = float(proc.stdout.split("interrupted after ")[1].split()[0])
+    assert seconds < 5, proc.stdout

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardprep import politeness, robots
+from shardprep import politeness, robots, waiting
 from shardprep.config import DatasetConfig
 from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.resize import resize_image
@@ -193,9 +193,9 @@ def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int,
         for item in items:
             pending.append(executor.submit(fn, item))
             if len(pending) >= max_in_flight:
-                yield pending.popleft().result()
+                yield waiting.result(pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield waiting.result(pending.popleft())
         finished = True
     finally:
         _leave(executor, pending, None if finished else on_abort)
