@@ -40,7 +40,7 @@ import time
 import types
 import weakref
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urljoin
 
 from urllib3.exceptions import LocationParseError
@@ -432,9 +432,37 @@ def _is_disallowed(values: list[str], user_agent_token: str | None, directives: 
     return False
 
 
+# the scheme and authority at the start of a URL, as spelled: a cache key found without parsing the URL
+_PREFIX = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]*)")
+
+
+def url_prefix(url: Any) -> str | None:
+    """``scheme://authority`` as ``url`` spells it (``None``: not such a URL): what per-site caches key on
+    before they parse it once with ``authority``."""
+    match = _PREFIX.match(url) if isinstance(url, str) else None
+    return match.group(1) if match else None
+
+
+def default_port(scheme: str) -> int:
+    return 443 if scheme == "https" else 80
+
+
+def authority(prefix: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of the server ``fetch`` would ask for a URL starting with ``prefix``, lower-cased,
+    by fetch's own parser (``None``: not an http(s) URL with a host, which ``fetch`` refuses unasked)."""
+    try:
+        parts = parse_url(prefix)
+    except (LocationParseError, ValueError):
+        return None
+    scheme, host = (parts.scheme or "").lower(), (parts.host or "").strip("[]").lower()
+    if scheme not in ("http", "https") or not host:
+        return None
+    return scheme, host, parts.port or default_port(scheme)
+
+
 def _host_header(host: str, port: int, scheme: str) -> str:
     shown = f"[{host}]" if ":" in host else host
-    return shown if port == (443 if scheme == "https" else 80) else f"{shown}:{port}"
+    return shown if port == default_port(scheme) else f"{shown}:{port}"
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -530,7 +558,7 @@ def _fetch_once(
         host = (parts.host or "").strip("[]")
         if not host:
             raise _Refused("invalid url: no host")
-        port = parts.port or (443 if scheme == "https" else 80)
+        port = parts.port or default_port(scheme)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _Failed("timed out")
@@ -632,11 +660,11 @@ def fetch(
         if waits >= RATE_LIMIT_WAITS or time.monotonic() + wait >= deadline:
             return Fetched(None, rate_limited(answer.status, wait))
         waits += 1
-        _pause(pool, wait)
+        pause(pool, wait)
     return Fetched(None, error)
 
 
-def _pause(pool: AbortablePool, seconds: float) -> None:
+def pause(pool: AbortablePool, seconds: float) -> None:
     """Sleep ``seconds``; ``pool.abort()`` ends it at once (``DownloadsAborted``)."""
     woken = threading.Event()
     pool.wake_on_abort(woken)

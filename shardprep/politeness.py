@@ -41,11 +41,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from urllib3.exceptions import LocationParseError
-from urllib3.util import parse_url
-
 from shardprep.errors import ShardprepError
-from shardprep.fetch import ABANDONED, AbortablePool, DownloadsAborted, Fetched
+from shardprep.fetch import AbortablePool, Fetched, authority, pause, url_prefix
 
 RATE_LIMITED = "rate limited (per-host limit)"
 BUCKET_LOCK = 8  # byte locked while the bucket at bytes 0-7 is read and written
@@ -55,7 +52,6 @@ STALE_SECONDS = 86_400.0  # a bucket this far ahead was written before a reboot 
 _POLL_FIRST, _POLL_MAX = 0.001, 0.02  # seconds between looks for a free slot (they double up to the max)
 _TAT = struct.Struct("d")
 _SPREAD = itertools.count()  # where a thread's first look for a free slot starts: threads spread out
-_PREFIX = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]*)")  # scheme and authority, no URL parsing
 
 
 class PolitenessError(ShardprepError, OSError):
@@ -153,7 +149,7 @@ class HostLimits:
         n = len(entry.slots)
         first = getattr(self._local, "slot", None)
         first = first if first is not None and first < n else next(_SPREAD) % n
-        pause = _POLL_FIRST
+        interval = _POLL_FIRST
         while True:
             for k in range(n):
                 i = (first + k) % n
@@ -170,8 +166,8 @@ class HostLimits:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            _sleep(pool, min(pause, remaining))
-            pause = min(2 * pause, _POLL_MAX)
+            pause(pool, min(interval, remaining))
+            interval = min(2 * interval, _POLL_MAX)
 
     def _wait_turn(self, entry: _Host, deadline: float, pool: AbortablePool) -> bool:
         """Reserve the next start time GCRA allows (``False``, nothing reserved: it is past ``deadline``)
@@ -191,18 +187,8 @@ class HostLimits:
             finally:
                 fcntl.lockf(entry.fd, fcntl.LOCK_UN, 1, BUCKET_LOCK)
         if start > now:
-            _sleep(pool, start - now)
+            pause(pool, start - now)
         return True
-
-
-def _sleep(pool: AbortablePool, seconds: float) -> None:
-    """Sleep; ``pool.abort()`` ends it at once (``DownloadsAborted``)."""
-    if pool.aborted:
-        raise DownloadsAborted(ABANDONED)
-    woken = threading.Event()
-    pool.wake_on_abort(woken)
-    if woken.wait(seconds) or pool.aborted:
-        raise DownloadsAborted(ABANDONED)
 
 
 _SHARED: dict[tuple[str, int, float], HostLimits] = {}
@@ -237,20 +223,14 @@ _HOST_CACHE_MAX = 50_000
 def host_of(url: Any) -> str | None:
     """``host:port`` of the server a URL's request goes to, lower-cased (``None``: not an http(s) URL,
     which ``fetch`` refuses without a request)."""
-    match = _PREFIX.match(url) if isinstance(url, str) else None
-    if match is None:
+    prefix = url_prefix(url)
+    if prefix is None:
         return None
-    prefix = match.group(1)
     host = _HOST_CACHE.get(prefix, "")
     if host != "":
         return host
-    try:
-        parts = parse_url(prefix)  # fetch's parser: the same host and port
-        scheme, name = (parts.scheme or "").lower(), (parts.host or "").strip("[]").lower()
-        ok = scheme in ("http", "https") and name
-        host = f"{name}:{parts.port or (443 if scheme == 'https' else 80)}" if ok else None
-    except (LocationParseError, ValueError):
-        host = None
+    site = authority(prefix)  # fetch's parser: the same host and port
+    host = f"{site[1]}:{site[2]}" if site else None
     if len(_HOST_CACHE) >= _HOST_CACHE_MAX:
         _HOST_CACHE.clear()
     _HOST_CACHE[prefix] = host

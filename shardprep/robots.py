@@ -30,10 +30,17 @@ import time
 from typing import Any, Callable
 
 from protego import Protego
-from urllib3.exceptions import LocationParseError
-from urllib3.util import parse_url
 
-from shardprep.fetch import ABANDONED, DEFAULT_USER_AGENT, AbortablePool, DownloadsAborted, Fetched, fetch_document
+from shardprep.fetch import (
+    ABANDONED,
+    DEFAULT_USER_AGENT,
+    AbortablePool,
+    DownloadsAborted,
+    Fetched,
+    authority,
+    fetch_document,
+    url_prefix,
+)
 
 DISALLOWED = "robots.txt disallows"
 UNREACHABLE = "robots.txt unreachable"
@@ -42,8 +49,6 @@ KEEP_SECONDS = 24 * 3600.0  # RFC 9309 §2.4: a cached robots.txt SHOULD NOT be 
 UNREACHABLE_KEEP_SECONDS = 60.0
 MAX_AUTHORITIES = 50_000  # kept per process (a web crawl meets millions of hosts); the oldest go first
 
-# "scheme://authority" as the URL spells it: the fast path's key, no URL parsing
-_PREFIX = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]*)")
 _TOKEN = re.compile(r"[A-Za-z_-]+")  # RFC 9309 §2.2.1: a product token
 
 
@@ -88,10 +93,10 @@ class RobotsPolicies:
         """Why robots.txt forbids downloading ``url`` (``None``: it does not). A URL that is no http(s)
         URL is not judged here: ``fetch`` refuses it with its own reason. Raises ``DownloadsAborted``
         when ``pool`` is aborted while its robots.txt is fetched or waited for."""
-        match = _PREFIX.match(url) if isinstance(url, str) else None
-        if match is None:
+        prefix = url_prefix(url)
+        if prefix is None:
             return None
-        prefix = match.group(1).lower()
+        prefix = prefix.lower()
         policy = self._by_prefix.get(prefix)
         if policy is None or policy.expires <= time.monotonic():
             policy = self._policy(prefix, pool, user_agent, timeout)
@@ -106,40 +111,35 @@ class RobotsPolicies:
             self._by_prefix.clear()
 
     def _policy(self, prefix: str, pool: AbortablePool, user_agent: str, timeout: float) -> _Policy | None:
-        try:
-            parts = parse_url(prefix)  # the parser fetch uses: the same host and port
-        except (LocationParseError, ValueError):
+        site = authority(prefix)  # the host and port fetch will ask
+        if site is None:
             return None
-        scheme, host = (parts.scheme or "").lower(), (parts.host or "").strip("[]").lower()
-        if scheme not in ("http", "https") or not host:
-            return None
-        authority = (scheme, host, parts.port or (443 if scheme == "https" else 80))
         with self._lock:
-            fetching = self._fetching.setdefault(authority, threading.Lock())
+            fetching = self._fetching.setdefault(site, threading.Lock())
         # in steps: a thread waiting for another thread's fetch still stops at once when its pool is aborted
         while not fetching.acquire(timeout=0.1):
             if pool.aborted:
                 raise DownloadsAborted(ABANDONED)
         try:
-            policy = self._policies.get(authority)
+            policy = self._policies.get(site)
             if policy is None or policy.expires <= time.monotonic():
-                policy = self._fetch(authority, pool, user_agent, timeout)
+                policy = self._fetch(site, pool, user_agent, timeout)
             with self._lock:
-                if len(self._policies) >= MAX_AUTHORITIES and authority not in self._policies:
+                if len(self._policies) >= MAX_AUTHORITIES and site not in self._policies:
                     _drop_oldest(self._policies)
                 if len(self._by_prefix) >= MAX_AUTHORITIES and prefix not in self._by_prefix:
                     _drop_oldest(self._by_prefix)
-                self._policies[authority] = policy
+                self._policies[site] = policy
                 self._by_prefix[prefix] = policy
                 # no longer needed: whoever still waits on it finds the policy stored (the dict stays small)
-                self._fetching.pop(authority, None)
+                self._fetching.pop(site, None)
         finally:
             fetching.release()
         return policy
 
-    def _fetch(self, authority: tuple[str, str, int], pool: AbortablePool, user_agent: str,
+    def _fetch(self, site: tuple[str, str, int], pool: AbortablePool, user_agent: str,
                timeout: float) -> _Policy:
-        scheme, host, port = authority
+        scheme, host, port = site
         shown = f"[{host}]" if ":" in host else host
         got = fetch_document(f"{scheme}://{shown}:{port}/robots.txt", pool=pool, timeout=timeout,
                              max_bytes=MAX_BYTES, allow_private=self._allow_private, trusted_hosts=self._trusted,
