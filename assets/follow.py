@@ -26,7 +26,7 @@ import dagster as dg
 
 from shardprep.checks import check_image_shard
 from shardprep.models.devices import lease
-from shardprep_dagster.assets.shard_runs import DEVICE_TAG, FOLLOWED, REBUILD_TAG, write_one
+from shardprep_dagster.assets.shard_runs import DEVICE_TAG, FOLLOWED, rebuilding, write_one
 from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
@@ -55,7 +55,7 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
     for stale in [k for k in FOLLOWED if k[0] == FOLLOWER]:
         del FOLLOWED[stale]
     layout, version = dataset.layout, dataset.versions[FOLLOWER]
-    rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
+    rebuild = rebuilding(context, rebuild)
     todo: queue.Queue[str | None] = queue.Queue()
 
     def follow() -> None:

@@ -122,6 +122,11 @@ def lock_name(artifact: str, key: str) -> str:
     return f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"
 
 
+def rebuilding(context: dg.AssetExecutionContext, rebuild: bool) -> bool:
+    """Whether this step redoes complete shards: its config says so, or its run is tagged REBUILD_TAG."""
+    return rebuild or context.run.tags.get(REBUILD_TAG) == "true"
+
+
 # (artifact, shard, version) -> the figures of a shard made complete ahead of its own step, in this
 # process, by a follower (``assets.follow``); the artifact's step reports them instead of "cached"
 FOLLOWED: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -176,7 +181,7 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
         ids = parse_shard_ids(context.run.tags[SHARDS_TAG])
         shards_of = {p: [k for k in keys if int(k) in ids] for p, keys in shards_of.items()}
     keys = [k for p in partitions for k in shards_of[p]]
-    rebuild = rebuild or context.run.tags.get(REBUILD_TAG) == "true"
+    rebuild = rebuilding(context, rebuild)
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
     media = ARTIFACTS[artifact].media
@@ -228,7 +233,6 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
             if not o.passed:  # the index gates downstream work on it, as Dagster's blocking check does
                 state.record_failed(layout, artifact, k, f"check {check[0]} failed: {o.description}")
         checks = [_check_result(check[0], outcomes)]
-    metadata = _figures(results, version)
     if len(partitions) > 1:
         # each partition's materialization carries its own shards' figures, not the run's totals (shard
         # 00002 of a run over six must not show the six shards' samples)
@@ -238,6 +242,8 @@ def materialize_shards(context: dg.AssetExecutionContext, dataset: DatasetResour
                 context.add_asset_metadata(_figures(own, version), partition_key=p)
         metadata = {"version": version, **worker_metadata(), "partitions_in_run": len(partitions),
                     "shards_in_run": len(results)}
+    else:
+        metadata = _figures(results, version)
     # the version is each partition's data version: the one tag Dagster indexes per partition
     return dg.MaterializeResult(metadata=metadata, check_results=checks, data_version=dg.DataVersion(version))
 

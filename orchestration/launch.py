@@ -24,10 +24,9 @@ from dagster._core.events import DagsterEventType
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from shardprep_dagster.orchestration.queue_daemon import IN_FLIGHT, lock_path, wake
+from shardprep_dagster.orchestration.queue_daemon import ACTIVE_BACKFILLS, IN_FLIGHT, lock_path, wake
 
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
-ACTIVE = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
 Pairs = dict[dg.AssetKey, set[str]]  # asset -> shards (unpartitioned assets: {""})
 
 
@@ -110,7 +109,7 @@ class Progress:
 
     @property
     def finished(self) -> bool:
-        return self.status not in ACTIVE
+        return self.status not in ACTIVE_BACKFILLS
 
 
 def _pairs(subset: AssetGraphSubset) -> Pairs:
@@ -144,7 +143,7 @@ def in_flight(instance: dg.DagsterInstance) -> tuple[Pairs, list[str]]:
     another `shardprep run`, the UI, automation), and the ids of those backfills."""
     pairs: Pairs = defaultdict(set)
     ids = []
-    for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=ACTIVE)):
+    for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)):
         data = backfill.asset_backfill_data
         if data is None:
             continue

@@ -22,6 +22,7 @@ import threading
 import time
 
 import dagster as dg
+from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
 from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
@@ -29,6 +30,7 @@ LOCK_NAME = ".shardprep-queue-daemon.lock"
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+ACTIVE_BACKFILLS = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
 HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (launch.HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
 CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
 # When Dagster's run-queue and backfill daemons iterate: within a second of a change of the runs' or
@@ -61,18 +63,12 @@ def _mtime(path: str) -> float:
         return 0
 
 
-def _active_backfills():
-    from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
-
-    return BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING])
-
-
 def _state(instance: dg.DagsterInstance) -> tuple[int, int, int]:
     """(runs in flight, runs finished, backfills active): three counts whose change means the daemons have
     something to do (a run to launch, a finished run's downstream to request, a backfill to start)."""
     return (instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
             instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
-            instance.get_backfills_count(filters=_active_backfills()))
+            instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)))
 
 
 def _until(poke: threading.Event, shutdown_event: threading.Event):
