@@ -4,6 +4,7 @@ timestamps both assets report; the clip step still materializes its own partitio
 
 import dagster as dg
 
+from shardprep.models import clip as clip_models
 from shardprep.versions import read_stamp
 from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures.live_dagster import prepare_home
@@ -27,7 +28,9 @@ def test_a_block_run_embeds_each_shard_while_the_next_one_downloads(tmp_path, ti
                            thread_count=2, seed=7, batch_size=16, shards_per_partition=4) as (config, layout):
         home = prepare_home(tmp_path / "home")
         with dg.DagsterInstance.from_config(str(home)) as instance:
+            loads_before = clip_models.LOAD_COUNT  # per process: earlier tests in this worker may have loaded it
             summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
+            loads = clip_models.LOAD_COUNT - loads_before
             assert summary.ok, summary.failed
             downloads, _ = _per_shard(instance, "image_shards")
             embeds, clip_meta = _per_shard(instance, "clip_embeddings")
@@ -47,5 +50,5 @@ def test_a_block_run_embeds_each_shard_while_the_next_one_downloads(tmp_path, ti
         # ... and before the next shard's download has ended: the two overlap
         assert embeds[k]["started_at"] < downloads[nxt]["finished_at"], (k, embeds[k], downloads[nxt])
     # the clip step reported and checked its block itself, with the model loaded once in the run's process
-    assert clip_meta["shards"].value == 4 and clip_meta["clip_loads_by_worker"].value == 1
+    assert clip_meta["shards"].value == 4 and loads <= 1
     assert checks and checks[0].status.value == "SUCCEEDED"
