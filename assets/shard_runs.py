@@ -18,6 +18,7 @@ from shardprep import state
 from shardprep.artifacts import ARTIFACTS
 from shardprep.checks import CheckOutcome
 from shardprep.keys import parse_shard_ids
+from shardprep.layout import Layout
 from shardprep.ledger import load_ledger, shard_media
 from shardprep.models.devices import Device, lease
 from shardprep.storage import lock
@@ -120,6 +121,17 @@ def worker_metadata() -> dict[str, Any]:
 def lock_name(artifact: str, key: str) -> str:
     """The lock file that keeps writers of (``artifact``, shard ``key``) apart (one of LOCK_STRIPES)."""
     return f"shard-{zlib.crc32(f'{artifact}/{key}'.encode()) % LOCK_STRIPES}"
+
+
+@contextlib.contextmanager
+def shard_locks(layout: Layout, shard: str, artifacts: list[str]):
+    """The locks the writers of ``artifacts`` take for ``shard``, held by a command that rewrites the shard's
+    files outside a run (retry, takedown); stripes can coincide, and a lock file taken twice by one process
+    would wait for itself: each name once, in order."""
+    with contextlib.ExitStack() as held:
+        for name in sorted({lock_name(a, shard) for a in artifacts}):
+            held.enter_context(lock(layout.root, name))
+        yield
 
 
 def rebuilding(context: dg.AssetExecutionContext, rebuild: bool) -> bool:

@@ -8,6 +8,7 @@ from shardprep.checks import check_video_shard
 from shardprep.layout import Layout
 from shardprep.report.contact_sheet import video_contact_sheet
 from shardprep.storage import read_bytes, read_parquet, remove, url_to_fs
+from shardprep.takedown.lists import takedown_set
 from shardprep.video.shards import write_video_shard
 from shardprep.video.summary import clip_summary
 from shardprep_dagster.assets.images import contact_sheet_metadata
@@ -72,7 +73,8 @@ def video_shards(context: dg.AssetExecutionContext, config: ShardRunConfig,
 
     def download(key: str) -> dict:
         table = read_parquet(layout.source_parquet(key))
-        report = write_video_shard(table, int(key), cfg, layout.videos_dir)
+        report = write_video_shard(table, int(key), cfg, layout.videos_dir,
+                                   takedowns=takedown_set(layout, cfg.takedown_lists))
         context.log.info(f"shard {key}: {report.successes}/{report.count} videos, {report.samples} clips "
                          f"in {report.seconds:.1f}s")
         if report.tar_written:

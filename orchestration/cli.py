@@ -119,6 +119,39 @@ def cmd_retry(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_takedown(args: argparse.Namespace) -> int:
+    from shardprep.errors import ShardprepError
+    from shardprep_dagster.orchestration.takedown import takedown
+
+    def shard_line(done) -> None:
+        parts = ", ".join(f"{a} {n}" for a, n in done.artifacts.items() if n)
+        print(f"shard {done.shard}: {len(done.removed)} sample(s) removed ({parts or 'no files held them'})",
+              flush=True)
+
+    try:
+        report, summary = takedown(args.config, args.list or [], run=not args.no_run, on_shard=shard_line,
+                                   in_process=args.in_process)
+    except ShardprepError as e:  # a bad config or list: named, nothing was changed
+        print(f"shardprep takedown: {e}", file=sys.stderr)
+        return 2
+    for lst in report.lists:
+        print(f"list {lst['version']} ({lst['entries']} entries, {'new' if lst['new'] else 'registered before'}): "
+              f"{lst['source']}")
+    per_artifact = report.per_artifact()
+    print(f"{report.removed} sample(s) removed from {len(report.shards)} shard(s) "
+          f"({report.checked} shard(s) checked)" + (": " if per_artifact else ""))
+    for name, n in per_artifact.items():
+        print(f"  {name}: {n}")
+    if report.audit:
+        print(f"audit record: {report.audit}")
+    if summary is not None:
+        print_summary(summary)
+        return 0 if summary.ok else 1
+    if report.shards and args.no_run:
+        print("global artifacts not updated yet (--no-run): `shardprep run` updates them")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from shardprep_dagster.orchestration.status import status
 
@@ -190,6 +223,15 @@ def main(argv: list[str] | None = None) -> int:
                             "transient HTTP status (503); permanent failures are never retried")
     retry.add_argument("--shards", help="only these shards, e.g. 12-40,55")
     retry.set_defaults(func=cmd_retry)
+    take = sub.add_parser("takedown", help="remove the samples a takedown list names (URLs, domains, keys, "
+                          "sha256) from every artifact, keep them out of later runs, and record an audit entry")
+    take.add_argument("--config", required=True, help="dataset config YAML")
+    take.add_argument("--list", action="append", help="a takedown list (parquet, CSV or text; any fsspec URL); "
+                      "repeatable; without one, the config's takedown_lists are applied")
+    take.add_argument("--no-run", action="store_true", help="change the shards only; the next `shardprep run` "
+                      "updates the global artifacts")
+    take.add_argument("--in-process", action="store_true", help="update the global artifacts in this process")
+    take.set_defaults(func=cmd_takedown)
     status = sub.add_parser("status", help="per asset: shards materialized / failed / missing ($DAGSTER_HOME)")
     status.add_argument("--config", help="dataset config YAML (default: the code location's)")
     status.set_defaults(func=cmd_status)

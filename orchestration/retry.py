@@ -5,9 +5,8 @@ them. Nothing else is run."""
 
 from __future__ import annotations
 
-import contextlib
-
 import dagster as dg
+from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
 from shardprep.artifacts import enabled
 from shardprep.config import config_url, load_config
@@ -15,9 +14,9 @@ from shardprep.images.retry import ARTIFACT, RetryReport, downstream_shard_artif
 from shardprep.keys import parse_shard_ids
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
-from shardprep.storage import lock
+from shardprep.versions import read_stamp
 from shardprep_dagster.assets.images import contact_sheet_metadata
-from shardprep_dagster.assets.shard_runs import lock_name
+from shardprep_dagster.assets.shard_runs import shard_locks
 from shardprep_dagster.orchestration.invalidate import invalidate
 
 
@@ -45,15 +44,26 @@ def retry(config_path: str, reasons: set[str] | str, shards: str | None = None,
     reports = []
     for key in keys:
         # the locks a run's steps take for this shard: one downloading it now, or embedding its old tar
-        # (whose stamp would come after ours is removed), finishes first; stripes can coincide, and a
-        # lock file taken twice by one process would wait for itself
-        with contextlib.ExitStack() as held:
-            for name in sorted({lock_name(a, key) for a in (ARTIFACT, *downstream_shard_artifacts())}):
-                held.enter_context(lock(layout.root, name))
+        # (whose stamp would come after ours is removed), finishes first
+        with shard_locks(layout, key, [ARTIFACT, *downstream_shard_artifacts()]):
             report = retry_shard(layout, cfg, key, reasons, on_invalidate=wipe)
-            if report.recovered:  # the preview shows the shard's samples: the new ones too
-                contact_sheet_metadata(layout, key, rebuild=True)
+            sheet = contact_sheet_metadata(layout, key, rebuild=True) if report.recovered else {}
+            if report.retried:  # the shard's partition shows the round (and the new preview)
+                _record_round(instance, layout, ledger.partition_of(key), report, sheet)
         reports.append(report)
         if on_report is not None:
             on_report(report)
     return reports
+
+
+def _record_round(instance: dg.DagsterInstance, layout: Layout, partition: str, report: RetryReport,
+                  sheet: dict) -> None:
+    """A materialization of the shard's ``image_shards`` partition at its version, saying what the retry
+    round changed (the UI's partition page; `shardprep run` needs nothing more of the shard itself)."""
+    stamp = read_stamp(layout, ARTIFACT, report.shard)
+    if stamp is None:
+        return
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        asset_key=ARTIFACT, partition=partition, tags={DATA_VERSION_TAG: stamp["version"]},
+        metadata={"retry": report.summary(), "retry_round": report.retry_round, "retried": report.retried,
+                  "recovered": report.recovered, "still_failed": report.still_failed, **sheet}))

@@ -57,7 +57,7 @@ _VIDEO_SHARD_FIELDS = ("video_url_col", "video_caption_col", "save_additional_co
                        "video_resize_mode", "video_frame_rate", "video_max_duration", "video_clip_length",
                        "video_min_clip_length", "video_clip_strategy", "video_clip_col", "video_encode_format",
                        "video_crf", "video_preset", "max_video_bytes", "max_video_pixels")
-_SELECTION_RULES = ("dedup", "dedup_threshold", "aesthetic_min", "nsfw_max", "min_original_size",
+_SELECTION_RULES = ("dedup", "dedup_threshold", "aesthetic_min", "nsfw_max", "watermark_max", "min_original_size",
                     "caption_min_length", "caption_max_length")
 
 # Networking and speed settings (timeout, retries, thread_count, decode_threads, user_agent, device, batch
@@ -78,7 +78,10 @@ _RECORDS = (
     Artifact("reordered_embeddings", SHARD, "embeddings", parents=("clip_embeddings",), media="image",
              outputs=("reordered_img", "reordered_text"), batch="gpu", verify="check_reordered_embeddings",
              reported=True),
-    Artifact("image_scores", SHARD, "curation", parents=("clip_embeddings",), fields=("aesthetic_model", "nsfw_model"),
+    # the watermark detector reads the shard's tar, which the embeddings were made from (their metadata
+    # gives the scores' rows): clip_embeddings stays its one parent
+    Artifact("image_scores", SHARD, "curation", parents=("clip_embeddings",),
+             fields=("aesthetic_model", "nsfw_model", "watermark_model"),
              media="image", outputs=("scores",), pool="gpu", batch="gpu", verify="check_image_scores"),
     # the json's aesthetic_score is read from image_scores' files when an aesthetic head is configured;
     # what it depends on is the embeddings and that head (a new NSFW head changes no diffusion sample)
@@ -92,10 +95,18 @@ _RECORDS = (
              fields=("diffusion_t5_model", "video_autoencoder", "video_diffusion_frames", "video_diffusion_resolution"),
              media="video", outputs=("diffusion_tar",), pool="gpu", batch="gpu", enabled_by="enable_nemo_diffusion",
              verify="check_diffusion_samples"),
-    Artifact("duplicates", GLOBAL, "curation", parents=("image_shards", "clip_embeddings"),
-             fields=("dedup", "dedup_threshold"), verify="check_duplicates"),
-    Artifact("sample_selection", GLOBAL, "curation", parents=("image_shards", "image_scores", "duplicates"),
-             fields=_SELECTION_RULES, reads_only_when={"image_scores": ("aesthetic_min", "nsfw_max"),
+    # takedown lists applied to every finished shard (shardprep.takedown): after the per-shard artifacts,
+    # whose files it rewrites, before every global one that holds samples; those read it for ordering
+    # only (their versions do not follow it: a takedown changes shards, which they take like any change)
+    Artifact("takedowns", GLOBAL, "governance",
+             parents=("image_shards", "video_shards", "clip_embeddings", "reordered_embeddings", "image_scores"),
+             fields=("takedown_lists",), version_from=(), verify="check_takedowns"),
+    Artifact("duplicates", GLOBAL, "curation", parents=("image_shards", "clip_embeddings", "takedowns"),
+             fields=("dedup", "dedup_threshold"), version_from=("image_shards", "clip_embeddings"),
+             verify="check_duplicates"),
+    Artifact("sample_selection", GLOBAL, "curation",
+             parents=("image_shards", "image_scores", "duplicates", "takedowns"), fields=_SELECTION_RULES,
+             version_from=("image_shards", "image_scores", "duplicates"), reads_only_when={"image_scores": ("aesthetic_min", "nsfw_max", "watermark_max"),
                                                        "duplicates": ("dedup",)}, verify="check_sample_selection"),
     Artifact("balanced_shards", GLOBAL, "nemo_text2img", parents=("image_shards", "sample_selection"),
              fields=("tar_chunk_size",), enabled_by="enable_nemo_text2img", verify="check_balanced_shards"),
@@ -104,15 +115,16 @@ _RECORDS = (
     Artifact("precached_encodings", GLOBAL, "nemo_text2img", parents=("balanced_shards",),
              fields=("precache_resolution", "precache_keep_original", "sd_autoencoder", "sd_clip_text_model"),
              pool="gpu", enabled_by="enable_nemo_text2img", verify="check_precached_encodings"),
-    Artifact("image_energon_index", GLOBAL, "energon", parents=("image_shards", "sample_selection"),
-             fields=("energon_split_ratio",), verify="check_image_energon_index"),
+    Artifact("image_energon_index", GLOBAL, "energon", parents=("image_shards", "sample_selection", "takedowns"),
+             fields=("energon_split_ratio",), version_from=("image_shards", "sample_selection"), verify="check_image_energon_index"),
     Artifact("diffusion_energon_index", GLOBAL, "energon",
-             parents=("diffusion_samples", "video_diffusion_samples", "sample_selection"),
+             parents=("diffusion_samples", "video_diffusion_samples", "sample_selection", "takedowns"),
              fields=("energon_split_ratio",), enabled_by="enable_nemo_diffusion",
+             version_from=("diffusion_samples", "video_diffusion_samples", "sample_selection"),
              verify="check_diffusion_energon_index"),
     Artifact("dataset_report", GLOBAL, "reports",
              parents=("image_shards", "video_shards", "clip_embeddings", "image_scores", "duplicates",
-                      "sample_selection"),
+                      "sample_selection", "takedowns"),
              # the report is written anew each time: duplicates add nothing its version must follow
              version_from=("image_shards", "video_shards", "clip_embeddings", "image_scores", "sample_selection"),
              verify="check_dataset_report"),

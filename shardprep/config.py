@@ -79,6 +79,9 @@ class DatasetConfig(BaseModel):
     # decoded/resized at once per shard (0: one per CPU core); downloads keep thread_count.
     fast_decode: Flag = True
     decode_threads: NonNegativeInt = Field(0, description="an integer >= 0 (0: one per CPU core)")
+    # takedowns (shardprep/takedown): lists of URLs, domains, sample keys or image sha256 whose samples are
+    # removed from every artifact and never downloaded again (also given to `shardprep takedown --list`)
+    takedown_lists: tuple[Text, ...] = Field((), description="a list of takedown list files (any fsspec URL)")
     # downloads
     timeout: float = Field(10.0, gt=0, allow_inf_nan=False, description="a positive number of seconds")
     retries: NonNegativeInt = 0
@@ -87,16 +90,25 @@ class DatasetConfig(BaseModel):
     max_image_pixels: PositiveInt = 89_478_485  # PIL's decompression-bomb threshold
     allow_private_addresses: Flag = False
     user_agent: Text = "shardprep/0.1 (+https://github.com/shardprep)"
-    # image URLs whose path the site's robots.txt disallows for user_agent's product token are not
-    # fetched (shardprep/robots.py: RFC 9309, fetched once per site and process)
+    # image and video URLs whose path the site's robots.txt disallows for user_agent's product token are
+    # not fetched (shardprep/robots.py: RFC 9309, fetched once per site and process)
     respect_robots_txt: Flag = True
-    # per-host politeness (shardprep/politeness.py), for all image-download processes of the machine
-    # together: requests in flight to one host, and requests started per second per host (0: no limit)
+    # X-Robots-Tag directives that refuse an image or video (img2dataset's name and default), for every user
+    # agent or for user_agent's product token ("shardprep: noai"); an empty list checks no header
+    disallowed_header_directives: tuple[Text, ...] = Field(
+        ("noai", "noimageai", "noindex", "noimageindex"), description="a list of X-Robots-Tag directives")
+    # per-host politeness (shardprep/politeness.py), for all image- and video-download processes of the
+    # machine together: requests in flight to one host, and requests started per second per host (0: no limit)
     per_host_connections: NonNegativeInt = Field(64, description="an integer >= 0 (0: no limit)")
     per_host_requests_per_second: float = Field(0.0, ge=0, allow_inf_nan=False,
                                                 description="a number >= 0 (0: no limit)")
     # the folder whose files share those limits between processes (null: under the system temp dir)
     per_host_state_dir: Text | None = Field(None, description="a local folder path, or null (the system temp dir)")
+    # a Redis that shares those limits between machines instead (every worker naming it, the Celery result
+    # backend's for one); null: each machine its own, through per_host_state_dir. Not shown: it may hold a
+    # password
+    per_host_limits_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://\S")] | None = Field(
+        None, repr=False, description="a redis://, rediss:// or unix:// URL, or null (limits per machine)")
     # video rows (video_shards): a second source of parquet files, each file's shards are video shards
     # (WebVid: video_url_col contentUrl, video_caption_col name); null: an image-only dataset
     video_source: Text | None = Field(None, description="a parquet file, folder or glob (like 'source'), or null")
@@ -139,8 +151,9 @@ class DatasetConfig(BaseModel):
     # checked at load against clip_model's embedding width; null: not scored
     aesthetic_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
     nsfw_model: Text | None = Field(None, description="a score head file (path, URL or hub id) or null")
-    # LAION's watermark detector reads pixels, not embeddings: accepted, reported as not scored
-    watermark_model: Text | None = Field(None, description="a watermark model path or null")
+    # LAION's watermark detector (shardprep/models/watermark.py): its watermark_model_v1.pt (or safetensors),
+    # path, URL or cached hub id as the heads; run by image_scores on every image's pixels (pwatermark)
+    watermark_model: Text | None = Field(None, description="a watermark model file (path, URL or hub id) or null")
     # duplicates across every image shard (shardprep/curation/dedup.py): exact (same sha256 of the downloaded bytes)
     # and near (cosine of the CLIP image embeddings >= dedup_threshold; clip-retrieval's query-time dedup
     # uses 0.94), the first arrival kept
@@ -152,6 +165,8 @@ class DatasetConfig(BaseModel):
         None, description="a number (LAION-Aesthetics V2: 4.5 to 6.5; needs aesthetic_model) or null")
     nsfw_max: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
         None, description="a probability in [0, 1] (LAION: 0.5; needs nsfw_model) or null")
+    watermark_max: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="a probability in [0, 1] (SD 1.x: 0.5; needs watermark_model) or null")
     min_original_size: Annotated[int, Field(gt=0)] | None = Field(
         None, description="a positive number of pixels (both original sides at least it) or null")
     caption_min_length: Annotated[int, Field(ge=0)] | None = Field(None, description="an integer >= 0 (characters) or null")
@@ -191,11 +206,13 @@ class DatasetConfig(BaseModel):
         # frozen as the dataclass was (pydantic's own refusal is a ValidationError)
         raise AttributeError(f"DatasetConfig is frozen: cannot assign to '{name}'")
 
-    @field_validator("save_additional_columns", "energon_split_ratio", mode="before")
+    @field_validator("save_additional_columns", "energon_split_ratio", "takedown_lists",
+                     "disallowed_header_directives", mode="before")
     @classmethod
     def _list_as_tuple(cls, v: Any, info: ValidationInfo) -> Any:
         # YAML has lists, not tuples; an empty `save_additional_columns:` means none
-        if v is None and info.field_name == "save_additional_columns":
+        if v is None and info.field_name in ("save_additional_columns", "takedown_lists",
+                                             "disallowed_header_directives"):
             return ()
         return tuple(v) if isinstance(v, list) else v
 
@@ -325,13 +342,21 @@ SCORE_FIELDS = {"aesthetic_model": ("aesthetic_v2", "aesthetic_v1"), "nsfw_model
 
 def _check_score_heads(cfg: DatasetConfig, origin: str) -> None:
     """Each configured head is readable, of its field's kind, and reads clip_model's embeddings (an L/14
-    head on B/32 embeddings is refused here, not after the embeddings are made)."""
+    head on B/32 embeddings is refused here, not after the embeddings are made); the watermark model's
+    file is there (its keys are checked when image_scores loads it: that needs torch)."""
     from shardprep.curation.scores import ScoreModelError, load_head
     from shardprep.models.clip import embedding_width
+    from shardprep.models.watermark import WatermarkModelError, watermark_file
 
-    problems = [f"config field '{rule}': needs '{field}' (the head whose score it reads)"
-                for rule, field in (("aesthetic_min", "aesthetic_model"), ("nsfw_max", "nsfw_model"))
+    problems = [f"config field '{rule}': needs '{field}' (the model whose score it reads)"
+                for rule, field in (("aesthetic_min", "aesthetic_model"), ("nsfw_max", "nsfw_model"),
+                                    ("watermark_max", "watermark_model"))
                 if getattr(cfg, rule) is not None and getattr(cfg, field) is None]
+    if cfg.watermark_model is not None:
+        try:
+            watermark_file(cfg.watermark_model)
+        except WatermarkModelError as e:
+            problems.append(f"config field 'watermark_model': {e}")
     configured = {name: getattr(cfg, name) for name in SCORE_FIELDS if getattr(cfg, name) is not None}
     width = embedding_width(cfg.clip_model) if configured else None
     for name, spec in configured.items():

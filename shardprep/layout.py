@@ -173,6 +173,26 @@ class Layout:
         are recorded in its stamp, so ``verify`` finds one that went missing or changed size)."""
         return [getattr(self, method)(shard) for method in ARTIFACTS[artifact].outputs]
 
+    # takedowns (shardprep.takedown): the lists registered, and an audit record per application
+    @property
+    def takedowns_dir(self) -> str:
+        return self._join(".shardprep", "takedowns")
+
+    @property
+    def takedown_lists_dir(self) -> str:
+        return self._join(".shardprep", "takedowns", "lists")
+
+    def takedown_list(self, version: str) -> str:
+        return self._join(".shardprep", "takedowns", "lists", f"{version}.parquet")
+
+    @property
+    def takedown_checked(self) -> str:
+        return self._join(".shardprep", "takedowns", "checked.json")
+
+    @property
+    def takedown_audit_dir(self) -> str:
+        return self._join(".shardprep", "takedowns", "audit")
+
     # bookkeeping: which version each finished output was made with (shardprep.versions)
     def stamp(self, artifact: str, shard: str) -> str:
         return self._join(".shardprep", "stamps", artifact, f"{shard}.json")

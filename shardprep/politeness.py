@@ -1,7 +1,8 @@
 """Per-host politeness for the download engine: at most ``connections`` requests in flight to one host,
 and at most ``rate`` requests started per second per host (a token bucket holding one second's worth,
 so a burst of ``max(1, rate)`` and then one every ``1 / rate`` s), for every thread and process of one
-machine together.
+machine together, or of every machine that shares one Redis. ``polite_downloader`` wraps an image or video
+download in them and in robots.txt (``shardprep.robots``), as the config says.
 
 Keyed like robots.txt policies, by the server a request reaches: the URL's host, lower-cased, and its
 port (``example.com:443``); not the registrable domain: ``a.example.com`` and ``b.example.com`` are
@@ -20,13 +21,23 @@ opening the file sees:
   fails the row at once with ``rate limited (per-host limit)``; a wait for a connection slot is polled
   until the deadline.
 
-Across machines: this only limits one machine. To share a limit between machines, keep the bucket and
-the slots in Redis, the Celery result backend already: the same GCRA reservation as a Lua script over one
-key per host (``SET tat``), and the slots as a sorted set of holders scored by expiry (a holder that dies
-drops out when its score passes); pyrate-limiter's Redis bucket does the rate half. Not built yet.
+Across machines (``per_host_limits_url``, ``RedisHostLimits``): the same limits kept in Redis (5 or
+later; the Celery result backend already), for every process of every machine that uses it. Each is one Lua script
+(atomic), timed by Redis's clock (``TIME``), so the machines' clocks need not agree:
+
+* the rate: the same GCRA reservation over one key per host (``<prefix><host>:rate``, the theoretical
+  arrival time; it expires once that has passed);
+* the connections: a sorted set of slot holders per host (``<prefix><host>:slots``) scored by when the
+  hold lapses: the URL's deadline plus ``LEASE_GRACE``, since its download is abandoned by then anyway.
+  A holder that dies (a killed worker) cannot release its slot; its member lapses then and the next
+  script that looks at the set drops it. No heartbeat thread: a hold is never longer than one download.
+  A wait for a slot polls the script (every 50 ms at most, each a round trip to Redis).
+
+Redis unreachable: the shard fails with ``PolitenessError`` rather than download unlimited.
 
 Cost per request (measured on a 2-core VM, no contention): ~2.6 us with a connection limit (two
-``lockf`` calls), ~4.8 us with a rate too; an image row costs ~5.5 ms.
+``lockf`` calls), ~4.8 us with a rate too; an image row costs ~5.5 ms. With Redis: a round trip per
+limit, plus one to release the slot.
 """
 
 from __future__ import annotations
@@ -35,14 +46,20 @@ import fcntl
 import itertools
 import os
 import re
+import socket
 import struct
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
 
+from shardprep import robots
 from shardprep.errors import ShardprepError
 from shardprep.fetch import AbortablePool, Fetched, authority, pause, url_prefix
+
+if TYPE_CHECKING:
+    from shardprep.config import DatasetConfig
 
 RATE_LIMITED = "rate limited (per-host limit)"
 BUCKET_LOCK = 8  # byte locked while the bucket at bytes 0-7 is read and written
@@ -50,6 +67,10 @@ SLOTS_AT = 64  # connection slot i: byte SLOTS_AT + i
 MAX_OPEN_HOSTS = 512  # host files kept open per process (a web crawl meets thousands of hosts)
 STALE_SECONDS = 86_400.0  # a bucket this far ahead was written before a reboot (monotonic restarted)
 _POLL_FIRST, _POLL_MAX = 0.001, 0.02  # seconds between looks for a free slot (they double up to the max)
+_REDIS_POLL_MAX = 0.05  # a look is a round trip to Redis: many waiting threads of many machines ask it
+KEY_PREFIX = "shardprep:politeness:"  # the Redis keys' (a test sets its own)
+LEASE_GRACE = 10.0  # seconds a Redis slot is held past its URL's deadline: a download may end a little late
+REDIS_TIMEOUT = 5.0  # seconds a Redis connect or answer may take (a hung Redis must not hang the threads)
 _TAT = struct.Struct("d")
 _SPREAD = itertools.count()  # where a thread's first look for a free slot starts: threads spread out
 
@@ -191,7 +212,122 @@ class HostLimits:
         return True
 
 
-_SHARED: dict[tuple[str, int, float], HostLimits] = {}
+# GCRA (as ``HostLimits._wait_turn``) by Redis's clock. KEYS[1]: the host's theoretical arrival time;
+# ARGV: interval, tolerance, the longest wait allowed (seconds). Returns the wait before the start it
+# reserved, or -1 (nothing reserved); as strings: a Lua number would come back truncated to an integer.
+_RATE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local interval, tolerance, most = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+local start = math.max(now, tat - tolerance)
+if start - now > most then return '-1' end
+local new = math.max(tat, start) + interval
+redis.call('SET', KEYS[1], string.format('%.6f', new), 'PX', math.ceil((new - now) * 1000) + 1000)
+return string.format('%.6f', start - now)
+"""
+
+# A host's slots. KEYS[1]: a sorted set of holders scored by when their hold lapses (Redis's clock);
+# ARGV: the limit, the new holder, its hold (seconds). Lapsed holders (dead ones) are dropped first.
+# Returns 1 (taken) or 0 (every slot is held).
+_SLOT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now))
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local hold = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], string.format('%.6f', now + hold), ARGV[2])
+-- the set lapses with its longest hold: a host nobody asks any more leaves no key behind
+if redis.call('PTTL', KEYS[1]) < hold * 1000 then redis.call('PEXPIRE', KEYS[1], math.ceil(hold * 1000)) end
+return 1
+"""
+
+
+class RedisHostLimits:
+    """``HostLimits``' limits (same interface) kept in the Redis at ``url``, for every process of every
+    machine using it; ``shared()`` gives it. A slot is a holder's name (``""``: no slot limit)."""
+
+    def __init__(self, url: str, connections: int, rate: float, prefix: str | None = None,
+                 grace: float = LEASE_GRACE) -> None:
+        try:
+            import redis  # Celery's result backend's client (the dagster extra): the core needs it only here
+        except ImportError:
+            raise PolitenessError("per-host limits: per_host_limits_url needs the redis package "
+                                  "(pip install redis, or shardprep[dagster])") from None
+        self.connections, self.rate = connections, rate
+        self._interval = 1.0 / rate if rate > 0 else 0.0
+        self._tolerance = (max(1.0, rate) - 1.0) * self._interval
+        self._prefix = KEY_PREFIX if prefix is None else prefix
+        self._grace = grace
+        self._shown = re.sub(r"//[^@/]*@", "//", url)  # a password is not shown in messages
+        self._errors = redis.RedisError
+        try:
+            self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT,
+                                                socket_connect_timeout=REDIS_TIMEOUT)
+        except ValueError as e:
+            raise PolitenessError(f"per-host limits: bad Redis URL {self._shown!r}: {e}") from None
+        self._take = self._client.register_script(_SLOT_LUA)
+        self._turn = self._client.register_script(_RATE_LUA)
+        self._ids = itertools.count()
+
+    def acquire(self, host: str, deadline: float, pool: AbortablePool) -> str | None:
+        """As ``HostLimits.acquire``; raises ``PolitenessError`` when Redis cannot be asked."""
+        slot = ""
+        try:
+            if self.connections:
+                slot = self._take_slot(host, deadline, pool)
+                if slot is None:
+                    return None
+            if self.rate > 0 and not self._wait_turn(host, deadline, pool):
+                self.release(host, slot)
+                return None
+        except BaseException:
+            self.release(host, slot)
+            raise
+        return slot
+
+    def release(self, host: str, slot: str | None) -> None:
+        if not slot:
+            return
+        try:
+            self._client.zrem(self._prefix + host + ":slots", slot)
+        except self._errors:
+            pass  # not raised over the download's outcome: the hold lapses at its deadline anyway
+
+    def _run(self, script: Any, key: str, *args: Any) -> Any:
+        try:
+            return script(keys=[key], args=args)
+        except self._errors as e:
+            raise PolitenessError(f"per-host limits: Redis at {self._shown}: {e}") from None
+
+    def _take_slot(self, host: str, deadline: float, pool: AbortablePool) -> str | None:
+        # unique across machines, processes (a forked child included) and threads
+        holder = f"{socket.gethostname()}:{os.getpid()}:{next(self._ids)}"
+        key = self._prefix + host + ":slots"
+        interval = _POLL_FIRST
+        while True:
+            hold = deadline - time.monotonic() + self._grace
+            if self._run(self._take, key, self.connections, holder, f"{hold:.6f}"):
+                return holder
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            pause(pool, min(interval, remaining))
+            interval = min(2 * interval, _REDIS_POLL_MAX)
+
+    def _wait_turn(self, host: str, deadline: float, pool: AbortablePool) -> bool:
+        most = deadline - time.monotonic()
+        wait = float(self._run(self._turn, self._prefix + host + ":rate", f"{self._interval:.9f}",
+                               f"{self._tolerance:.9f}", f"{most:.6f}"))
+        if wait < 0:
+            return False
+        if wait > 0:
+            pause(pool, wait)
+        return True
+
+
+Limits = HostLimits | RedisHostLimits  # what polite_download is given: one interface
+_SHARED: dict[tuple, Limits] = {}
 _SHARED_LOCK = threading.Lock()
 
 
@@ -206,13 +342,16 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def shared(folder: str | None, connections: int, rate: float) -> HostLimits:
-    """The process's limits for this setting: every shard written by the process shares them."""
-    key = (folder or default_folder(), connections, float(rate))
+def shared(folder: str | None, connections: int, rate: float, url: str | None = None) -> Limits:
+    """The process's limits for this setting: every shard written by the process shares them. With a
+    Redis ``url``, every process using it (``folder`` is not used); else this machine's, in ``folder``."""
+    where = ("redis", url, KEY_PREFIX) if url else ("files", folder or default_folder())
+    key = (*where, connections, float(rate))
     with _SHARED_LOCK:
         limits = _SHARED.get(key)
         if limits is None:
-            limits = _SHARED[key] = HostLimits(*key)
+            limits = _SHARED[key] = (RedisHostLimits(url, connections, rate) if url
+                                     else HostLimits(where[1], connections, rate))
         return limits
 
 
@@ -237,7 +376,7 @@ def host_of(url: Any) -> str | None:
     return host
 
 
-def polite_download(url: Any, *, download: Callable[..., Fetched], limits: HostLimits, pool: AbortablePool,
+def polite_download(url: Any, *, download: Callable[..., Fetched], limits: Limits, pool: AbortablePool,
                     deadline_seconds: float) -> Fetched:
     """``download(url, total_timeout=...)`` within ``limits`` for its host, all within the URL's
     ``deadline_seconds`` from now (the wait included); a wait past it: ``rate limited (per-host limit)``."""
@@ -252,3 +391,22 @@ def polite_download(url: Any, *, download: Callable[..., Fetched], limits: HostL
         return download(url, total_timeout=max(0.0, deadline - time.monotonic()))
     finally:
         limits.release(host, slot)
+
+
+def polite_downloader(download: Callable[..., Fetched], cfg: DatasetConfig, *, pool: AbortablePool,
+                      deadline_seconds: float) -> Callable[[Any], Fetched]:
+    """``download`` (``fetch`` with its settings bound) wrapped as ``cfg`` says, for image and video rows
+    alike: robots.txt (``respect_robots_txt``), then the per-host limits (``per_host_*``), the URL's wait
+    for them within its ``deadline_seconds``."""
+    if cfg.per_host_connections or cfg.per_host_requests_per_second:
+        # inside the robots.txt check: a disallowed URL takes no slot and no turn
+        limits = shared(cfg.per_host_state_dir, cfg.per_host_connections, cfg.per_host_requests_per_second,
+                        cfg.per_host_limits_url)
+        download = partial(polite_download, download=download, pool=pool, limits=limits,
+                           deadline_seconds=deadline_seconds)
+    if cfg.respect_robots_txt:
+        # robots.txt asked before the URL (once per site and process): a disallowed URL is never requested
+        download = partial(robots.download_allowed, download=download, pool=pool,
+                           policies=robots.shared(cfg.allow_private_addresses),
+                           token=robots.product_token(cfg.user_agent), timeout=cfg.timeout, user_agent=cfg.user_agent)
+    return download

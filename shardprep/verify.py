@@ -503,7 +503,8 @@ def check_reordered_embeddings(t: Target) -> Findings:
 
 
 def check_image_scores(t: Target) -> Findings:
-    return verify_image_scores(t.layout, t.shard, scored=bool(t.cfg.aesthetic_model or t.cfg.nsfw_model))
+    return verify_image_scores(t.layout, t.shard, scored=bool(t.cfg.aesthetic_model or t.cfg.nsfw_model
+                                                                        or t.cfg.watermark_model))
 
 
 def check_diffusion_samples(t: Target) -> Findings:
@@ -539,6 +540,32 @@ def check_image_energon_index(t: Target) -> Findings:
 
 def check_diffusion_energon_index(t: Target) -> Findings:
     return verify_energon_index(t.layout.diffusion_dir)
+
+
+def check_takedowns(t: Target) -> Findings:
+    """Every registered list and audit record readable, and no sample an audit record names removed is in
+    its shard's tar again (a header read of those tars only)."""
+    from shardprep.takedown.lists import audit_records, registered
+
+    f = Findings()
+    try:
+        registered(t.layout)
+        records = audit_records(t.layout)
+    except (OSError, ValueError) as e:
+        f.fail(t.layout.takedowns_dir, f"unreadable: {type(e).__name__}: {e}")
+        return f
+    removed: dict[tuple[str, str], set[str]] = {}
+    for record in records:
+        for r in record.get("removed", []):
+            removed.setdefault((r["shard"], r.get("media", "image")), set()).add(r["key"])
+    for (shard, media), keys in removed.items():
+        tar = t.layout.tar(shard) if media == "image" else t.layout.video_tar(shard)
+        if not storage.exists(tar):
+            continue
+        back = sorted(k for k in sample_keys(tar) if k in keys or k.rpartition("_")[0] in keys)
+        if back:
+            f.fail(tar, f"holds {len(back)} taken-down sample(s) again: {back[:5]}")
+    return f
 
 
 def check_dataset_report(t: Target) -> Findings:

@@ -147,3 +147,46 @@ def test_embeddings_of_another_width_are_refused_naming_the_file(planted):
     with pytest.raises(ValueError, match=r"img_emb_00003.npy: 49-wide embeddings, the dedup index holds 48-wide"):
         update_duplicates(layout, {**{s: "v1" for s in shards}, "00003": "v1"}, 0.95)
     assert json.loads(open(layout.dedup_state).read())["shards"].keys() == set(shards)  # nothing published
+
+
+@pytest.mark.parametrize("ivf_at", [10_000, 100])  # the exact index; an IVF one
+def test_a_takedown_removes_samples_in_place_and_the_next_update_goes_on(tmp_path, ivf_at):
+    import faiss
+
+    from shardprep.curation.dedup import load_state, remove_samples
+
+    rng = np.random.default_rng(9)
+    layout = Layout(str(tmp_path / "out"))
+    embs = {s: _unit(rng.normal(size=(120, DIM))) for s in ("00000", "00001")}
+    keys = {s: _write_shard(layout, s, e, [f"h{s}-{i}" for i in range(120)]) for s, e in embs.items()}
+    update_duplicates(layout, {"00000": "a", "00001": "b"}, 0.95, ivf_at=ivf_at)
+    before = faiss.read_index(layout.dedup_index)
+    assert before.ntotal == 240 and isinstance(before, faiss.IndexFlat) == (ivf_at > 240)
+    gone = {keys["00000"][i] for i in (0, 7, 50, 119)}
+
+    assert remove_samples(layout, "00000", gone, "a2") == 4
+    index = faiss.read_index(layout.dedup_index)
+    assert index.ntotal == 236
+    if not isinstance(index, faiss.IndexFlat):
+        faiss.extract_index_ivf(index).make_direct_map()
+    left = [k for s in ("00000", "00001") for k in keys[s] if k not in gone]
+    vectors = np.concatenate([embs["00000"], embs["00001"]])[[k not in gone for s in keys for k in keys[s]]]
+    # what is left, in order: id i is still the i-th kept vector, named by the SQLite file
+    np.testing.assert_allclose(index.reconstruct_n(0, 236), _unit(vectors.astype(np.float16).astype(np.float32)),
+                               atol=2e-3)
+    import sqlite3
+
+    with sqlite3.connect(layout.dedup_db) as db:
+        assert [k for _, k in db.execute("SELECT id, key FROM kept ORDER BY id")] == left
+        assert db.execute("SELECT COUNT(*) FROM hashes WHERE key IN ('%s')" % "','".join(gone)).fetchone()[0] == 0
+    assert not set(pq.read_table(layout.dedup_shard("00000")).column("key").to_pylist()) & gone
+    assert load_state(layout)["shards"] == {"00000": "a2", "00001": "b"} and load_state(layout)["kept"] == 236
+
+    # a new shard: a copy of a removed sample is kept (nothing left is like it), a copy of a kept one is not
+    new = _unit(rng.normal(size=(4, DIM)))
+    new[0], new[1] = embs["00000"][7], embs["00001"][3]
+    _write_shard(layout, "00002", new, ["x0", "x1", "x2", "x3"])
+    report = update_duplicates(layout, {"00000": "a2", "00001": "b", "00002": "c"}, 0.95, ivf_at=ivf_at)
+    assert not report.rebuilt and report.shards_added == ["00002"]
+    mask = keep_mask(layout, "00002")
+    assert mask["000020000"] and not mask["000020001"]

@@ -25,8 +25,8 @@ from tests.fixtures.score_heads import build_tiny_score_heads
 # the video assets are materialized for every shard too ("not applicable": no video_source)
 SHARD_ASSETS = ["source_parquet", "image_shards", "video_shards", "clip_embeddings", "reordered_embeddings",
                 "image_scores", "diffusion_samples", "video_diffusion_samples"]
-GLOBAL_ASSETS = ["duplicates", "sample_selection", "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index", "diffusion_energon_index",
-                 "dataset_report"]
+GLOBAL_ASSETS = ["takedowns", "duplicates", "sample_selection", "balanced_shards", "wdinfo", "precached_encodings",
+                 "image_energon_index", "diffusion_energon_index", "dataset_report"]
 
 
 # the tiny random CLIP puts different images at cosine up to ~0.998: only copies are duplicates here

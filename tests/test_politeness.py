@@ -2,7 +2,6 @@
 when each request arrived and how many were in flight: a rate per host, connections per host within one
 process and across two, a wait past the deadline failing fast, and defaults that leave one host alone."""
 
-import http.server
 import io
 import multiprocessing
 import threading
@@ -18,6 +17,7 @@ from shardprep.fetch import DownloadsAborted, make_pool
 from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
 from tests.fixtures import synthetic
+from tests.fixtures.watched_http import WatchedServer
 
 
 def _jpeg() -> bytes:
@@ -26,60 +26,12 @@ def _jpeg() -> bytes:
     return buf.getvalue()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: "WatchedServer"
-
-    def log_message(self, format, *args):  # noqa: A002 - quiet server
-        pass
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        watch = self.server
-        with watch.lock:
-            watch.starts.append(time.monotonic())
-            watch.in_flight += 1
-            watch.most = max(watch.most, watch.in_flight)
-        time.sleep(watch.delay)
-        # counted out before the answer goes: the client cannot start its next request before it has it
-        with watch.lock:
-            watch.in_flight -= 1
-        self.send_response(200)
-        self.send_header("Content-Type", "image/jpeg")
-        self.send_header("Content-Length", str(len(watch.body)))
-        self.end_headers()
-        self.wfile.write(watch.body)
-
-
-class WatchedServer(http.server.ThreadingHTTPServer):
-    """Answers every GET with one JPEG after ``delay`` s; ``starts`` (monotonic seconds, which processes
-    of a machine share) and ``most`` requests in flight at once."""
-
-    daemon_threads = True
-    request_queue_size = 64
-
-    def __init__(self, delay: float = 0.0) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.delay, self.body = delay, _jpeg()
-        self.lock = threading.Lock()
-        self.starts: list[float] = []
-        self.in_flight = self.most = 0
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-
-    def urls(self, n: int) -> list[str]:
-        return [f"http://127.0.0.1:{self.server_port}/{i}.jpg" for i in range(n)]
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
 @pytest.fixture
 def serve():
     servers = []
 
     def start(delay: float = 0.0) -> WatchedServer:
-        servers.append(WatchedServer(delay))
+        servers.append(WatchedServer(_jpeg(), delay))
         return servers[-1]
 
     yield start

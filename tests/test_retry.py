@@ -107,6 +107,11 @@ def test_retry_fetches_only_transient_failures_and_invalidates_that_shards_downs
         for asset in ("clip_embeddings", "reordered_embeddings", "image_scores"):
             assert instance.get_materialized_partitions(dg.AssetKey(asset)) == {"00001"}, asset
         assert instance.get_materialized_partitions(dg.AssetKey("image_shards")) == {"00000", "00001"}
+        # the partition shows the round (a materialization at the shard's version: not redone by a run)
+        [shown] = instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey("image_shards"), asset_partitions=["00000"]), limit=1).records
+        meta = shown.asset_materialization.metadata
+        assert (meta["retry_round"].value, meta["recovered"].value) == (1, 3) and "contact_sheet" in meta
         preview = os.path.getmtime(layout.contact_sheet("00000"))
         assert preview > os.path.getmtime(layout.contact_sheet("00001"))  # made again with the new samples
 

@@ -54,12 +54,11 @@ def test_versions_follow_the_fields_each_artifact_reads():
     speed_only = {"source", "output_root", "storage_options", "samples_per_shard", "oom_shard_count",
                   "shards_per_partition", "timeout",
                   "retries", "thread_count", "decode_threads", "allow_private_addresses", "user_agent", "device",
-                  "respect_robots_txt",  # which URLs are fetched, like the address guard: shards kept are not redone
+                  "respect_robots_txt", "disallowed_header_directives",  # which URLs are fetched, like the address guard: shards kept are not redone
                   # how fast a host is asked, not what a shard holds
-                  "per_host_connections", "per_host_requests_per_second", "per_host_state_dir",
+                  "per_host_connections", "per_host_requests_per_second", "per_host_state_dir", "per_host_limits_url",
                   "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
-                  "video_thread_count", "video_decode_threads", "video_timeout",
-                  "watermark_model"}  # not run yet: image_scores says so
+                  "video_thread_count", "video_decode_threads", "video_timeout"}
     assert read | speed_only == set(config_from_dict(BASE).to_dict()), "classify the new config field"
 
 
@@ -84,6 +83,13 @@ def test_diffusion_samples_read_the_embeddings_only_through_an_aesthetic_head(tm
     assert stale(scored, nsfw_model=str(tmp_path / "nsfw.pth")) == {"image_scores", "dataset_report"}
     assert {"diffusion_samples", "image_scores"} <= stale(scored, clip_model="ViT-B/16")
     assert "diffusion_samples" not in stale(BASE, clip_model="ViT-B/16")
+    # the watermark detector: the scores, never the diffusion samples; its rule, the selection and what reads it
+    (tmp_path / "watermark_model_v1.pt").write_bytes(b"")  # config load checks only that the file is there
+    watermark = str(tmp_path / "watermark_model_v1.pt")
+    assert stale(scored, watermark_model=watermark) == {"image_scores", "dataset_report"}
+    assert stale({**scored, "watermark_model": watermark}, watermark_max=0.5) == {
+        "sample_selection", "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
+        "diffusion_energon_index", "dataset_report"}
 
 
 def _materializations(instance: dg.DagsterInstance) -> dict[str, int]:
@@ -129,7 +135,7 @@ def test_config_changes_redo_exactly_what_they_change(dataset):
         assert sorted(p.name for p in Path(layout.diffusion_dir).glob("*.tar")) == ["00000.tar", "00001.tar"]
         redone = _redone(before, _materializations(instance))
         # video_diffusion_samples: enabled too, materialized as not applicable (no video shard)
-        assert set(redone) == {"diffusion_samples", "video_diffusion_samples", "diffusion_energon_index",
+        assert set(redone) == {"diffusion_samples", "video_diffusion_samples", "diffusion_energon_index", "takedowns",
                                "duplicates", "sample_selection", "balanced_shards", "wdinfo",
                                "precached_encodings", "image_energon_index", "dataset_report"}
         assert redone["diffusion_samples"] == 2

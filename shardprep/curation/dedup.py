@@ -270,7 +270,6 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
     arrival order): shards done before at the same identity are not read again; a done shard with a new
     identity or missing from ``shards``, or a new ``threshold``, starts everything over."""
     import faiss
-    import pyarrow as pa
 
     start = time.perf_counter()
     report = DedupReport()
@@ -323,12 +322,7 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
             for name in fs.ls(path, detail=False):
                 if name.rsplit("/", 1)[-1].removesuffix(".parquet") not in done:
                     fs.rm(name)
-        storage.write_parquet(layout.dedup_table, pa.table({
-            "key": pa.array([r[0] for r in dups], pa.string()),
-            "kept_key": pa.array([r[1] for r in dups], pa.string()),
-            "similarity": pa.array([r[2] for r in dups], pa.float32()),
-            "reason": pa.array([r[3] for r in dups], pa.string()),
-            "shard": pa.array([r[4] for r in dups], pa.string())}))
+        storage.write_parquet(layout.dedup_table, _dups_table(dups))
         report.index = "flat" if isinstance(work.index, faiss.IndexFlat) else "ivf"
         # last: what the index and the SQLite file hold
         # the generation counts fresh starts: every keep mask was written again, so a selection made
@@ -342,13 +336,96 @@ def update_duplicates(layout: Layout, shards: dict[str, str], threshold: float, 
     return report
 
 
+def _dups_table(rows: list[tuple]):
+    import pyarrow as pa
+
+    return pa.table({"key": pa.array([r[0] for r in rows], pa.string()),
+                     "kept_key": pa.array([r[1] for r in rows], pa.string()),
+                     "similarity": pa.array([r[2] for r in rows], pa.float32()),
+                     "reason": pa.array([r[3] for r in rows], pa.string()),
+                     "shard": pa.array([r[4] for r in rows], pa.string())})
+
+
+def remove_samples(layout: Layout, shard: str, keys: set[str], identity: str) -> int:
+    """Take samples of a de-duplicated shard out of ``<root>/dedup/`` in place (a takedown): their vectors
+    leave the index (the others keep their order, so ids stay positions), their rows leave the SQLite
+    file, the shard's mask and the duplicates table, and the shard is recorded at its embeddings' new
+    ``identity`` so the next update does not start over. Samples kept as duplicates of a removed one stay
+    dropped (they are copies of it). Returns the vectors removed; 0 and nothing changed when the shard is
+    not de-duplicated yet or the files are not consistent (the next update makes them again). The
+    caller holds the ``duplicates`` lock."""
+    import faiss
+    import pyarrow as pa
+
+    state = load_state(layout)
+    if not keys or state is None or state.get("format") != FORMAT or shard not in state.get("shards", {}):
+        return 0
+    with tempfile.TemporaryDirectory(prefix="shardprep-dedup-") as tmp:
+        work = _Work(layout, tmp)
+        try:
+            work.open(False)
+        except (OSError, RuntimeError):
+            return 0
+        if not work.consistent():
+            work.db.close()
+            return 0
+        db, gone = work.db, sorted(keys)
+        ids: list[int] = []
+        for start in range(0, len(gone), 900):
+            part = gone[start:start + 900]
+            ids += [r[0] for r in db.execute(f"SELECT id FROM kept WHERE key IN ({','.join('?' * len(part))})", part)]
+        if ids:
+            index, removed = work.index, np.array(sorted(ids), dtype=np.int64)
+            if isinstance(index, faiss.IndexFlat):
+                index.remove_ids(faiss.IDSelectorBatch(removed))  # the later vectors move down: ids stay positions
+            else:  # an IVF index keeps explicit ids: the vectors left are added again, in order, to an empty copy
+                ivf = faiss.extract_index_ivf(index)
+                ivf.make_direct_map()
+                fresh = faiss.clone_index(index)
+                fresh.reset()
+                for s, e in _chunks(index.ntotal):
+                    block = np.arange(s, e)
+                    fresh.add(index.reconstruct_n(int(s), int(e - s))[~np.isin(block, removed)])
+                faiss.extract_index_ivf(fresh).nprobe = ivf.nprobe
+                work.index = fresh
+            rows = db.execute("SELECT id, key FROM kept ORDER BY id").fetchall()
+            drop = set(ids)
+            db.execute("DELETE FROM kept")
+            db.executemany("INSERT INTO kept (id, key) VALUES (?, ?)",
+                           [(new, key) for new, (_, key) in enumerate(r for r in rows if r[0] not in drop)])
+        for start in range(0, len(gone), 900):
+            part = gone[start:start + 900]
+            marks = ",".join("?" * len(part))
+            db.execute(f"DELETE FROM hashes WHERE key IN ({marks})", part)
+            db.execute(f"DELETE FROM dups WHERE key IN ({marks})", part)
+        db.commit()
+        kept = db.execute("SELECT COUNT(*) FROM kept").fetchone()[0]
+        dups = list(db.execute("SELECT key, kept_key, similarity, reason, shard FROM dups ORDER BY shard, key"))
+        db.close()
+        faiss.write_index(work.index, work.index_path)
+        storage.publish_file(work.index_path, layout.dedup_index)
+        storage.publish_file(work.db_path, layout.dedup_db)
+        mask = storage.read_parquet(layout.dedup_shard(shard))
+        storage.write_parquet(layout.dedup_shard(shard), mask.filter(pa.array(
+            [k not in keys for k in mask.column("key").to_pylist()])))
+        storage.write_parquet(layout.dedup_table, _dups_table(dups))
+        # last: the shard at its new identity (the mask's identity changes with it: its selection is redone)
+        state["shards"][shard], state["kept"] = identity, kept
+        storage.write_bytes(layout.dedup_state, json.dumps(state).encode())
+    return len(ids)
+
+
+def identity(clip_stamp: dict) -> str:
+    """A shard's embeddings' identity (their stamp's version and time): it changes when they are written again."""
+    return f"{clip_stamp['version']}@{clip_stamp.get('written_at')}"
+
+
 def embedded_shards(layout: Layout, clip_version: str) -> dict[str, str]:
     """``{shard: identity}`` of the image shards whose CLIP embeddings are complete at ``clip_version``, in
     ledger order; the identity (version and time of the embeddings' stamp) changes if they are made again."""
     from shardprep.versions import current_stamps
 
-    return {key: f"{stamp['version']}@{stamp.get('written_at')}"
-            for key, stamp in current_stamps(layout, "clip_embeddings", clip_version).items()
+    return {key: identity(stamp) for key, stamp in current_stamps(layout, "clip_embeddings", clip_version).items()
             if stamp is not None and storage.exists(layout.img_emb(key))}
 
 

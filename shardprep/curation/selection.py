@@ -3,9 +3,10 @@ the shard parquet (sizes, captions), the scores (image_scores) and the keep mask
 
 Rules (config fields; unset = not applied), in the order a dropped sample's ``reason`` names the first
 it fails: ``dedup`` (a duplicate of an earlier kept sample), ``nsfw_max`` (``nsfw_score`` above it),
-``aesthetic_min`` (``aesthetic_score`` below it), ``min_original_size`` (original width or height below
-it), ``caption_min_length`` / ``caption_max_length`` (caption characters). A sample without the score a
-rule reads (its embedding was not finite) fails that rule.
+``watermark_max`` (``pwatermark`` above it), ``aesthetic_min`` (``aesthetic_score`` below it),
+``min_original_size`` (original width or height below it), ``caption_min_length`` /
+``caption_max_length`` (caption characters). A sample without the score a rule reads (its embedding was
+not finite, its image undecodable) fails that rule.
 
 ``<root>/selection/{shard}.parquet``: ``key``, ``keep``, ``reason`` for every successful sample of the
 shard; ``selection/state.json`` (written last) records each shard's inputs, so an update redoes only
@@ -25,8 +26,10 @@ import numpy as np
 from shardprep import storage
 from shardprep.layout import Layout
 
-RULES = ("dedup", "nsfw_max", "aesthetic_min", "min_original_size", "caption_min_length", "caption_max_length")
-SCORE_RULES = {"aesthetic_min": "aesthetic_score", "nsfw_max": "nsfw_score"}  # rule -> score column
+RULES = ("dedup", "nsfw_max", "watermark_max", "aesthetic_min", "min_original_size", "caption_min_length",
+         "caption_max_length")
+# rule -> the score column it reads
+SCORE_RULES = {"aesthetic_min": "aesthetic_score", "nsfw_max": "nsfw_score", "watermark_max": "pwatermark"}
 
 
 def active_rules(cfg) -> dict:
@@ -107,7 +110,8 @@ def select_shard(layout: Layout, shard: str, rules: dict) -> tuple[list[str], np
             scores = _read_mask(layout.scores(shard), column)
             x = np.array([scores.get(k, np.nan) for k in keys], dtype=np.float64)
             with np.errstate(invalid="ignore"):
-                fails[rule] = ~(x <= rules[rule]) if rule == "nsfw_max" else ~(x >= rules[rule])
+                # a maximum keeps scores <= it, a minimum >= it; NaN fails both
+                fails[rule] = ~(x <= rules[rule]) if rule.endswith("_max") else ~(x >= rules[rule])
     if "min_original_size" in rules:
         side = np.minimum(t["original_width"].fillna(0).to_numpy(), t["original_height"].fillna(0).to_numpy())
         fails["min_original_size"] = side < rules["min_original_size"]

@@ -31,6 +31,7 @@ from shardprep.failures import TRANSIENT, TRANSIENT_STATUSES, classify
 from shardprep.images.shards import input_columns, write_image_shard
 from shardprep.layout import Layout
 from shardprep.storage import atomic_write, exists, read_bytes, read_parquet, remove
+from shardprep.takedown.lists import takedown_set
 from shardprep.tars import TarWriter, iter_samples, sample_keys
 from shardprep.verify import file_sizes
 from shardprep.versions import artifact_versions, read_stamp, remove_stamp, write_stamp
@@ -133,7 +134,9 @@ def retry_shard(layout: Layout, cfg: DatasetConfig, shard: str, reasons: set[str
                                    type=old.schema.field("url").type)
     with tempfile.TemporaryDirectory(prefix="shardprep-retry-") as scratch_root:
         scratch = Layout(scratch_root)
-        write_image_shard(pa.table(inputs), int(shard), cfg, scratch)
+        # the output root's takedowns, not the scratch folder's: a listed row is never fetched again
+        write_image_shard(pa.table(inputs), int(shard), cfg, scratch,
+                          takedowns=takedown_set(layout, cfg.takedown_lists))
         fresh = read_parquet(scratch.shard_parquet(shard))
         new_status = fresh.column("status").to_pylist()
         report.retried = len(rows)

@@ -12,7 +12,8 @@ Differences from img2dataset, by design: samples and parquet rows are in key ord
 completion order), so a shard's content is deterministic; a shard without successes has no tar; with
 ``respect_robots_txt`` (the default), a URL its site's robots.txt disallows is not fetched
 (``failed_to_download``, ``robots.txt disallows``: ``shardprep.robots``); requests to one host are
-limited in number and rate for all processes of the machine (``shardprep.politeness``).
+limited in number and rate for all processes of the machine, or of every machine sharing one Redis
+(``shardprep.politeness``).
 
 A shard stopped part way (an interrupt while downloading, or its download pool aborted because the
 process is stopping: ``shardprep.fetch``) writes nothing, neither tar nor parquet nor stats; the
@@ -46,6 +47,7 @@ from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
 from shardprep.sample_json import dumps_indented
 from shardprep.storage import atomic_write, remove
+from shardprep.takedown.lists import REMOVED, TakedownSet, takedown_set
 from shardprep.tars import TarWriter
 
 HASH_COLUMN = "sha256"  # img2dataset's default compute_hash; the column is named after it
@@ -127,25 +129,33 @@ def _exif_json(data: bytes) -> str | None:
         return None
 
 
+TAKEN_DOWN = object()  # the URL of a row a takedown list names: never requested
+
+
 def _process_one(url: Any, *, download: Callable, resize: Callable, extract_exif: bool,
-                 cpu_slots: Slots) -> _Outcome:
+                 cpu_slots: Slots, taken_down_hashes: frozenset = frozenset()) -> _Outcome:
     """Download + decode/resize/encode one URL (runs in a pool thread; OpenCV releases the GIL).
 
     Downloads overlap freely; the decode/resize/encode step waits for one of ``cpu_slots``, so at
     most that many full-size images are decoded at once (memory) and the cores are not
     oversubscribed by dozens of threads decoding together (the GIL handoffs between them cost more
     than they gain)."""
+    if url is TAKEN_DOWN:
+        return _Outcome("failed_to_download", REMOVED)
     fetched = download(url)
     if fetched.error is not None:
         return _Outcome("failed_to_download", fetched.error)
     data = fetched.data
+    digest = hashlib.sha256(data).hexdigest()
+    if digest in taken_down_hashes:  # the bytes a takedown names (their sha256): dropped unread
+        return _Outcome("failed_to_download", REMOVED)
     with cpu_slots:
         r = resize(data)
         if r.error is not None:
             return _Outcome("failed_to_resize", r.error)
         exif = _exif_json(data) if extract_exif else None
     return _Outcome("success", None, r.data, r.width, r.height, r.original_width, r.original_height,
-                    exif, hashlib.sha256(data).hexdigest())
+                    exif, digest)
 
 
 class Slots:
@@ -229,8 +239,17 @@ def shard_downloads(work: Callable, items: Iterable, threads: int, pool: Abortab
             raise abandoned_shard(shard) from None
 
 
-def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout) -> ShardReport:
-    """Download and write shard ``shard_id`` from its input rows ``table`` (source column names)."""
+def header_rules(cfg: DatasetConfig) -> dict:
+    """``fetch``'s X-Robots-Tag arguments: the config's directives, for user_agent's product token."""
+    return {"user_agent_token": robots.product_token(cfg.user_agent).lower(),
+            "disallowed_directives": frozenset(d.strip().lower() for d in cfg.disallowed_header_directives)}
+
+
+def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout: Layout,
+                      takedowns: TakedownSet | None = None) -> ShardReport:
+    """Download and write shard ``shard_id`` from its input rows ``table`` (source column names).
+    ``takedowns``: the samples to leave out (default: the lists registered under ``layout`` and the
+    config's, ``shardprep.takedown``)."""
     start_time = time.time()
     shard = shard_key(shard_id, cfg.oom_shard_count)
     columns = input_columns(cfg)
@@ -249,6 +268,12 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     names_in = inputs.column_names
     keys = [compute_key(i, shard_id, cfg.oom_sample, cfg.oom_shard_count) for i in range(inputs.num_rows)]
 
+    # rows a takedown list names (shardprep.takedown) are recorded as removed, never requested
+    if takedowns is None:
+        takedowns = takedown_set(layout, cfg.takedown_lists)
+    removed = {i for i in range(len(urls)) if takedowns.match(keys[i], urls[i])} if takedowns else set()
+    urls = [TAKEN_DOWN if i in removed else u for i, u in enumerate(urls)] if removed else urls
+
     pool = make_pool(cfg.thread_count)
     if pool.aborted:  # the process is stopping (abort_all): change nothing on disk
         raise abandoned_shard(shard)
@@ -256,18 +281,11 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     remove(layout.shard_stats(shard))
 
     download = partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_image_bytes,
-                       retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent)
-    if cfg.per_host_connections or cfg.per_host_requests_per_second:
-        # inside the robots.txt check: a disallowed URL takes no slot and no turn
-        download = partial(politeness.polite_download, download=download, pool=pool,
-                           limits=politeness.shared(cfg.per_host_state_dir, cfg.per_host_connections,
-                                                    cfg.per_host_requests_per_second),
-                           deadline_seconds=default_deadline(cfg.timeout, cfg.retries))
-    if cfg.respect_robots_txt:
-        # robots.txt asked before the URL (once per site and process): a disallowed URL is never requested
-        download = partial(robots.download_allowed, download=download, pool=pool,
-                           policies=robots.shared(cfg.allow_private_addresses),
-                           token=robots.product_token(cfg.user_agent), timeout=cfg.timeout, user_agent=cfg.user_agent)
+                       retries=cfg.retries, allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent,
+                       **header_rules(cfg))
+    # robots.txt and the per-host limits, as for videos
+    download = politeness.polite_downloader(download, cfg, pool=pool,
+                                            deadline_seconds=default_deadline(cfg.timeout, cfg.retries))
     work = partial(
         _process_one,
         download=download,
@@ -277,6 +295,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                        fast_decode=cfg.fast_decode),
         extract_exif=cfg.extract_exif,
         cpu_slots=Slots(decode_slots(cfg)),
+        taken_down_hashes=frozenset(takedowns.entries["sha256"]),
     )
     out_cols: dict[str, list] = {name: [] for name in schema.names}
     counts: Counter = Counter()
@@ -291,6 +310,8 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 meta: dict[str, Any] = {name: values[name][i] for name in names_in}
+                if outcome.error == REMOVED:  # only the URL says which row it was
+                    meta = {name: (v if name == "url" else None) for name, v in meta.items()}
                 meta.update(key=keys[i], status=outcome.status, error_message=outcome.error,
                             width=outcome.width, height=outcome.height,
                             original_width=outcome.original_width, original_height=outcome.original_height)

@@ -29,6 +29,7 @@ DUPLICATE_PAIRS = 8
 class CurationData:
     aesthetic: np.ndarray = field(default_factory=lambda: np.zeros(0))
     nsfw: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    watermark: np.ndarray = field(default_factory=lambda: np.zeros(0))  # pwatermark
     top: list[tuple[str, float]] = field(default_factory=list)  # (key, aesthetic score), best first
     bottom: list[tuple[str, float]] = field(default_factory=list)  # worst first
     pairs: list[dict] = field(default_factory=list)  # duplicates.parquet rows
@@ -38,14 +39,14 @@ class CurationData:
 
     @property
     def empty(self) -> bool:
-        return not (self.aesthetic.size or self.nsfw.size or self.duplicates or self.selection)
+        return not (self.aesthetic.size or self.nsfw.size or self.watermark.size or self.duplicates or self.selection)
 
 
 def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> CurationData:
     """What image_scores, duplicates and sample_selection wrote for ``shards`` (image shards)."""
 
     data = CurationData()
-    keys, aesthetic, nsfw = [], [], []
+    keys, aesthetic, nsfw, watermark = [], [], [], []
     for shard in shards:
         url = layout.scores(shard)
         if not storage.exists(url):
@@ -57,6 +58,8 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
             aesthetic.append(t.column("aesthetic_score").to_numpy(zero_copy_only=False))
         if "nsfw_score" in t.column_names:
             nsfw.append(t.column("nsfw_score").to_numpy(zero_copy_only=False))
+        if "pwatermark" in t.column_names:
+            watermark.append(t.column("pwatermark").to_numpy(zero_copy_only=False))
     if aesthetic:
         data.aesthetic = np.concatenate(aesthetic).astype(np.float64)
         order = [i for i in np.argsort(data.aesthetic) if np.isfinite(data.aesthetic[i])]
@@ -64,6 +67,8 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         data.bottom = [(keys[i], float(data.aesthetic[i])) for i in order[:THUMBS]]
     if nsfw:
         data.nsfw = np.concatenate(nsfw).astype(np.float64)
+    if watermark:
+        data.watermark = np.concatenate(watermark).astype(np.float64)
     if storage.exists(layout.dedup_table):
         t = storage.read_parquet(layout.dedup_table)
         data.duplicates = t.num_rows
@@ -116,7 +121,9 @@ def curation_section(data: CurationData) -> list[str]:
         return []
     parts = ["<h2>Curation</h2>"]
     for pid, values, title, xlabel in (("aesthetic_scores", data.aesthetic, "Aesthetic score", "score (1-10 scale)"),
-                                       ("nsfw_scores", data.nsfw, "NSFW score", "probability unsafe")):
+                                       ("nsfw_scores", data.nsfw, "NSFW score", "probability unsafe"),
+                                       ("watermark_scores", data.watermark, "Watermark score (pwatermark)",
+                                        "probability watermarked")):
         if values.size:
             png = hist(values[np.isfinite(values)], title, xlabel, "scores")
             parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{title}">'

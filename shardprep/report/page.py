@@ -28,6 +28,7 @@ from shardprep.ledger import load_ledger, shard_media
 from shardprep.report.curation import CurationData, collect_curation, curation_section
 from shardprep.report.html import empty, figure, fmt, hist, png, row, spaced
 from shardprep.storage import atomic_write, read_npy, url_to_fs
+from shardprep.takedown.lists import REMOVED
 from shardprep.verify import verify_shard
 from shardprep.versions import stamped_version
 from shardprep.video.summary import clip_jsons
@@ -47,6 +48,8 @@ class ShardFigures:
     seconds: float = 0.0
     tar_bytes: int = 0
     embeddings: int | None = None  # rows of img_emb (None: not embedded yet)
+    retry_rounds: int = 0  # `shardprep retry` rounds that changed the shard
+    removed: int = 0  # samples removed for a takedown
 
     @property
     def success_rate(self) -> float:
@@ -84,6 +87,8 @@ class ReportData:
     videos: list[VideoShardFigures] = field(default_factory=list)  # the video shards (``shards``: image ones)
     clip_durations: np.ndarray = field(default_factory=lambda: np.zeros(0))
     curation: CurationData = field(default_factory=CurationData)  # scores, duplicates, selection
+    # per takedown list: version, source, entries, samples removed, last applied (shardprep.takedown)
+    takedowns: list[dict] = field(default_factory=list)
 
     @property
     def video_totals(self) -> dict:
@@ -162,6 +167,8 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
                 fig.failed_to_download = int(stats.get("failed_to_download", 0))
                 fig.failed_to_resize = int(stats.get("failed_to_resize", 0))
                 fig.seconds = float(stats.get("duration") or 0.0)
+                fig.retry_rounds = int(stats.get("retry_round", 0))
+                fig.removed = int(stats.get("status_dict", {}).get(REMOVED, 0))
                 reasons.update({k: int(v) for k, v in stats.get("status_dict", {}).items() if k != "success"})
             except (OSError, ValueError, KeyError, TypeError) as e:
                 problems.append(f"shard {key}: {layout.shard_stats(key)}: {type(e).__name__}: {e}")
@@ -209,8 +216,30 @@ def collect(layout: Layout, shards: list[str] | None = None, rows_per_shard: int
     except (OSError, ValueError, KeyError) as e:
         problems.append(f"curation outputs: {type(e).__name__}: {e}")
         curation = CurationData()
+    try:
+        takedowns = takedown_summary(layout)
+    except (OSError, ValueError, KeyError) as e:
+        problems.append(f"takedown records: {type(e).__name__}: {e}")
+        takedowns = []
     return ReportData(layout.root, figures, reasons, widths_a[keep], heights_a[keep], cat(captions), cat(norms),
-                      dim, rows_read, rows_per_shard, problems, videos, np.asarray(durations, dtype=float), curation)
+                      dim, rows_read, rows_per_shard, problems, videos, np.asarray(durations, dtype=float), curation,
+                      takedowns)
+
+
+def takedown_summary(layout: Layout) -> list[dict]:
+    """Per registered takedown list: its version, source, entries, the samples its applications removed
+    and when it was last applied (from the audit records)."""
+    from shardprep.takedown.lists import audit_records, registered
+
+    removed: Counter = Counter()
+    applied: dict[str, float] = {}
+    for record in audit_records(layout):
+        for r in record.get("removed", []):
+            removed[r["list"]] += 1
+            applied[r["list"]] = max(applied.get(r["list"], 0.0), float(record.get("applied_at", 0.0)))
+    return [{"version": lst.version, "source": lst.source, "entries": len(lst.entries),
+             "removed": removed[lst.version], "registered_at": lst.registered_at,
+             "last_applied": applied.get(lst.version)} for lst in registered(layout)]
 
 
 def _video_figures(layout: Layout, key: str, reasons: Counter, durations: list[float],
@@ -354,20 +383,32 @@ def render_html(data: ReportData, generated_at: float | None = None) -> str:
               *[row([r, fmt(n)]) for r, n in data.failures_by_reason.most_common()], "</table>"]
     parts += ["<h2>Shards</h2>", '<table id="shards">',
               row(["shard", "samples", "successes", "success rate", "failed to download", "failed to resize",
-                    "embeddings", "tar bytes"], header=True)]
+                    "removed (takedown)", "retry rounds", "embeddings", "tar bytes"], header=True)]
     for s in data.shards:
         if s.processed:
             parts.append(row([s.shard, fmt(s.count), fmt(s.successes), f"{s.success_rate:.2%}",
-                               fmt(s.failed_to_download), fmt(s.failed_to_resize), fmt(s.embeddings),
-                               fmt(s.tar_bytes)]))
+                               fmt(s.failed_to_download), fmt(s.failed_to_resize), fmt(s.removed),
+                               fmt(s.retry_rounds), fmt(s.embeddings), fmt(s.tar_bytes)]))
         else:
-            parts.append(row([s.shard, "not processed", "", "", "", "", fmt(s.embeddings), ""]))
+            parts.append(row([s.shard, "not processed", "", "", "", "", "", "", fmt(s.embeddings), ""]))
     parts.append("</table>")
+    if data.takedowns:
+        parts += ["<h2>Takedowns</h2>", '<table id="takedowns">',
+                  row(["list version", "source", "entries", "samples removed", "registered", "last applied"],
+                      header=True),
+                  *[row([t["version"], t["source"], fmt(t["entries"]), fmt(t["removed"]), _when(t["registered_at"]),
+                         _when(t["last_applied"])]) for t in data.takedowns], "</table>",
+                  "<p>Audit records (keys, URLs, reasons, list versions): "
+                  "<code>.shardprep/takedowns/audit/</code> under the output root.</p>"]
     parts += curation_section(data.curation)
     if data.videos:
         parts += _video_section(data)
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else ""
 
 
 def _video_section(data: ReportData) -> list[str]:

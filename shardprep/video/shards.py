@@ -11,7 +11,8 @@ Per shard (``shard = shard_key(shard_id)``) under the output folder (``video_sha
 
 Keys are img2dataset's (``shardprep.keys.compute_key``); clip ``i`` of a row is ``{key}_{i:05d}``.
 Statuses are video2dataset's: ``success``; ``failed_to_download`` (HTTP error, network, address guard,
-size limit: ``shardprep.fetch``'s messages); ``failed_to_subsample`` (the bytes are no usable video:
+size limit: ``shardprep.fetch``'s messages; robots.txt and the per-host limits, as for images:
+``shardprep.politeness``); ``failed_to_subsample`` (the bytes are no usable video:
 empty, an HTML page, truncated, no video stream, too many pixels, undecodable; or no clip is left).
 
 Differences from video2dataset 1.3.0, on purpose: the HTTP status is checked (it saves a 404 page as a
@@ -39,12 +40,14 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from shardprep import politeness
 from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
-from shardprep.images.shards import Slots, shard_downloads
+from shardprep.images.shards import TAKEN_DOWN, Slots, header_rules, shard_downloads
 from shardprep.keys import compute_key, shard_key
 from shardprep.sample_json import dumps_indented
 from shardprep.storage import join, remove, write_bytes, write_parquet
+from shardprep.takedown.lists import REMOVED, TakedownSet
 from shardprep.tars import TarWriter
 from shardprep.video.clips import OOM_CLIP_COUNT, Transcoded, VideoSpec, parse_spans, transcode
 from shardprep.video.decode import VideoError
@@ -140,6 +143,8 @@ def _process_row(item: tuple[Any, Any, str | None], *, download: Callable, spec:
     ``stopped()``: the shard is being abandoned, so a video downloaded before that is not transcoded
     (seconds each, one slot at a time: the threads queued for a slot would hold up the exit)."""
     url, spans, span_error = item
+    if url is TAKEN_DOWN:
+        return _Outcome("failed_to_download", REMOVED)
     if span_error is not None:
         return _Outcome("failed_to_subsample", span_error)
     fetched = download(url)
@@ -218,9 +223,12 @@ def _check_inputs(table: pa.Table, columns: list[tuple[str, str]], shard: str, c
                          "keys would collide with the next shard")
 
 
-def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_dir: str) -> VideoShardReport:
+def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_dir: str,
+                      takedowns: TakedownSet | None = None) -> VideoShardReport:
     """Download and write shard ``shard_id`` from its input rows ``table`` (source column names) into
-    ``out_dir`` (any fsspec URL); every file is written atomically, the stats last."""
+    ``out_dir`` (any fsspec URL); every file is written atomically, the stats last. ``takedowns``: rows
+    whose URL, domain or key it names are recorded as removed, never requested (``shardprep.takedown``;
+    the video parquet has no hash of the bytes, so a sha256 entry cannot name a video)."""
     start_time = time.time()
     shard = shard_key(shard_id, cfg.oom_shard_count)
     tar_url, parquet_url, stats_url = video_shard_files(out_dir, shard)
@@ -241,11 +249,13 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     remove(stats_url)
 
     n_slots, ffmpeg_threads = cpu_slots(cfg)
+    download = partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_video_bytes, retries=cfg.retries,
+                       allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent,
+                       total_timeout=download_deadline(cfg), **header_rules(cfg))
     work = partial(
         _process_row,
-        download=partial(fetch, pool=pool, timeout=cfg.timeout, max_bytes=cfg.max_video_bytes, retries=cfg.retries,
-                         allow_private=cfg.allow_private_addresses, user_agent=cfg.user_agent,
-                         total_timeout=download_deadline(cfg)),
+        # robots.txt and the per-host limits, as for images; the wait for them counts in the video's deadline
+        download=politeness.polite_downloader(download, cfg, pool=pool, deadline_seconds=download_deadline(cfg)),
         spec=video_spec(cfg, ffmpeg_threads),
         slots=Slots(n_slots),
         stopped=lambda: pool.aborted,
@@ -255,6 +265,8 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     status_dict: Counter = Counter()
     bytes_downloaded = 0
     items = _row_items(values, cfg.video_clip_col)
+    if takedowns:
+        items = [(TAKEN_DOWN, None, None) if takedowns.match(keys[i], item[0]) else item for i, item in enumerate(items)]
     try:
         # any exception in here (an interrupt, an abort) drops the tar and, closing the results, abandons
         # the downloads in flight
@@ -265,6 +277,8 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 bytes_downloaded += outcome.nbytes
                 meta: dict[str, Any] = {name: values[name][i] for name in inputs.column_names}
+                if outcome.error == REMOVED:  # only the URL says which row it was
+                    meta = {name: (v if name == "url" else None) for name, v in meta.items()}
                 meta.update(key=keys[i], status=outcome.status, error_message=outcome.error, yt_meta_dict=None)
                 if outcome.video is None:
                     for name in schema.names:
