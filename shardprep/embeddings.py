@@ -8,13 +8,14 @@ the sample json flattened), rows in tar order and aligned 1:1 — what clip-retr
 Throughput (issue 5, bench/RESULTS.md): tars are read by ``shardprep.tars``' direct 512-byte-header
 parser (``tarfile`` for compressed ones), samples are decoded, preprocessed and tokenised in a thread
 pool while the model encodes the previous step (``shardprep.encode.prepared_ahead``; ``encoders`` module
-doc for the fast preprocess), and on CPU the cores are split between decoding and torch.
+doc for the fast preprocess), and on CPU the cores are split between decoding and torch. With a GPU they
+are prepared in worker processes instead (``shardprep.prepare_pool``): threads share one GIL with the
+pure-Python tokenizer and cannot keep up with the model.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from contextlib import closing, contextmanager
@@ -23,16 +24,16 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from shardprep.clip_samples import ShardReadError, prepare_sample
 from shardprep.encode import batched, finish, input_missing, positive_int, prepared_ahead
-from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
+from shardprep.prepare_pool import pool_for
 from shardprep.storage import atomic_write, remove, write_npy
 from shardprep.tars import iter_samples
 
 if TYPE_CHECKING:
     from shardprep.models.clip import ClipEncoder
 
-IMAGE_EXTS = ("jpg", "png", "webp")  # img2dataset's encode formats, in the order we look for them
 _CHUNK = 16  # samples per pool task: amortises the future overhead, still spreads over threads
 
 
@@ -47,47 +48,6 @@ class EmbeddingReport:
     nan_count: int = 0
     # samples left out, as clip-retrieval leaves them out: no image, no caption, undecodable image
     skipped: list[dict] = field(default_factory=list)
-
-
-class ShardReadError(ShardprepError, ValueError):
-    """A shard's samples are not what an img2dataset webdataset holds (bad ``.json``, no captions);
-    a tar that cannot be read at all raises ``shardprep.tars.TarReadError``."""
-
-
-def _image_ext(sample: dict) -> str | None:
-    return next((e for e in IMAGE_EXTS if e in sample), None)
-
-
-def _prepare(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, out=None) -> dict:
-    """Decode + preprocess + tokenise one sample (runs in a worker thread); errors become a skip record
-    ``{"key", "reason"}``.
-
-    ``out``: the sample's row of the batch's image buffer (fast preprocessing writes there)."""
-    key = sample["__key__"]
-    ext = _image_ext(sample)
-    if ext is None:
-        return {"key": key, "reason": "no image member (" + "/".join(IMAGE_EXTS) + ")"}
-    if enable_text and "txt" not in sample:
-        return {"key": key, "reason": "no .txt caption"}
-    try:
-        caption = sample["txt"].decode("utf-8") if "txt" in sample else None
-    except UnicodeDecodeError as e:
-        return {"key": key, "reason": f"caption is not UTF-8: {e}"}
-    try:
-        image = encoder.prepare_image(sample[ext], out)
-    except Exception as e:  # a bad image is a recorded skip, never a crash (clip-retrieval skips too)
-        return {"key": key, "reason": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
-    raw_meta = sample.get("json", b"{}").decode("utf-8")
-    try:
-        meta = json.loads(raw_meta)
-    except ValueError as e:
-        raise ShardReadError(f"{url}: sample {key!r}: .json is not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ShardReadError(f"{url}: sample {key!r}: .json must hold an object, got {type(meta).__name__}")
-    # tokenised here, in the pool, so the (pure Python) BPE overlaps the model's forward pass;
-    # rows are independent, so one row at a time gives the batch's ids
-    tokens = encoder.tokenizer([caption]) if enable_text else None
-    return {"key": key, "image": image, "caption": caption, "meta": meta, "tokens": tokens}
 
 
 def _cores() -> int:
@@ -154,10 +114,14 @@ def _torch_threads(n: int):
 
 
 def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", batch_size: int = 256,
-                          enable_text: bool = True) -> EmbeddingReport:
+                          enable_text: bool = True, prepare_processes: int | None = None) -> EmbeddingReport:
     """Embed every sample of ``layout.tar(shard)`` with ``encoder`` and write the
     clip-retrieval files for that shard. A missing or sample-less tar writes nothing (and removes
-    stale outputs), like clip-retrieval, whose writer skips empty partitions."""
+    stale outputs), like clip-retrieval, whose writer skips empty partitions.
+
+    ``prepare_processes``: worker processes that prepare the samples (0: threads); by default
+    ``SHARDPREP_PREPARE_PROCESSES`` or the cores minus 2 with a GPU, threads on CPU
+    (``prepare_pool.processes_for``). The embeddings are the same either way."""
     positive_int("batch_size", batch_size)
     start = time.perf_counter()
     tar_url = layout.tar(shard)
@@ -165,11 +129,13 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
     if input_missing(tar_url, *_outputs(layout, shard)):
         return finish(report, start)
 
+    import torch
+
     keys: list[str] = []
     captions: list[str] = []
     metas: list[dict] = []
-    img_chunks: list[np.ndarray] = []
-    txt_chunks: list[np.ndarray] = []
+    img_chunks: list = []  # float16 tensors, on the GPU until the shard is done
+    txt_chunks: list = []
     seen_captions = False
 
     step = batch_size if encoder.device != "cpu" else min(batch_size, CPU_STEP)
@@ -186,7 +152,7 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
 
     def prepare(sample: dict, n: int, slot: int) -> dict:
         buffer = buffers[n % 2]
-        item = _prepare(sample, encoder, enable_text, tar_url, None if buffer is None else buffer[slot])
+        item = prepare_sample(sample, encoder, enable_text, tar_url, None if buffer is None else buffer[slot])
         item["slot"] = slot
         return item
 
@@ -197,23 +163,29 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
             slots = [it["slot"] for it in ready]
             # the buffer's first rows when nothing was skipped, else a copy of the rows that decoded
             images = buffer[: len(slots)] if slots[-1] == len(slots) - 1 else buffer[slots]
-        img_chunks.append(encoder.encode_prepared(images))
+        tokens = torch.cat([it["tokens"] for it in ready]) if enable_text else None
+        # queued on a GPU, not waited for: the next step is prepared while the GPU computes this one
+        img, txt = encoder.encode_step(images, tokens)
+        img_chunks.append(img)
         if enable_text:
-            import torch
-
-            txt_chunks.append(encoder.encode_tokens(torch.cat([it["tokens"] for it in ready])))
+            txt_chunks.append(txt)
             captions.extend(it["caption"] for it in ready)
         keys.extend(it["key"] for it in ready)
         metas.extend(it["meta"] for it in ready)
 
-    # decode+preprocess of the next step runs in threads while the model encodes the current one
-    # (PIL, OpenCV and torch release the GIL for the heavy parts)
+    # decode+preprocess of the next step runs in worker processes or threads while the model encodes the
+    # current one (PIL, OpenCV and torch release the GIL for the heavy parts, the tokenizer does not)
     decode_threads, torch_threads = thread_split(encoder.device)
-    prepared = prepared_ahead(steps(), prepare, part=_CHUNK, threads=decode_threads, failures=report.skipped)
-    with _torch_threads(torch_threads), closing(prepared):
-        for n, ready in enumerate(prepared):  # a list per step, in order
-            if ready:
-                encode(ready, buffers[n % 2])
+    with pool_for(encoder, prepare_processes, enable_text, step) as processes:
+        if processes is not None:
+            prepared = processes.prepared(steps(), buffers, url=tar_url, shard=shard, failures=report.skipped)
+        else:
+            prepared = prepared_ahead(steps(), prepare, part=_CHUNK, threads=decode_threads,
+                                      failures=report.skipped)
+        with _torch_threads(torch_threads), closing(prepared):
+            for n, ready in enumerate(prepared):  # a list per step, in order
+                if ready:
+                    encode(ready, buffers[n % 2])
 
     if enable_text and report.skipped and not seen_captions:
         raise ShardReadError(
@@ -225,8 +197,8 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
             remove(url)
         return finish(report, start)
 
-    img = np.concatenate(img_chunks)
-    arrays = [img] + ([np.concatenate(txt_chunks)] if enable_text else [])
+    img = torch.cat(img_chunks).cpu().numpy()  # the one wait for the GPU
+    arrays = [img] + ([torch.cat(txt_chunks).cpu().numpy()] if enable_text else [])
     norms = np.concatenate([np.linalg.norm(a.astype(np.float32), axis=1) for a in arrays])
     report.samples = len(keys)
     report.dim = int(img.shape[1])

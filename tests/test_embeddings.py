@@ -16,7 +16,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from shardprep.embeddings import ShardReadError, write_clip_embeddings
+from shardprep.clip_samples import ShardReadError
+from shardprep.embeddings import write_clip_embeddings
 from shardprep.keys import compute_key, index_of_key, oom_sample_per_shard, shard_key
 from shardprep.layout import Layout
 from shardprep.models import clip as clip_models

@@ -161,6 +161,15 @@ def _decode_crop(data: bytes, spec: ImageSpec) -> np.ndarray:
     return arr[top:top + crop_h, left:left + crop_w]
 
 
+def crop_into(data: bytes, spec: ImageSpec, out: np.ndarray) -> np.ndarray:
+    """Image bytes -> ``out``, a uint8 ``[3, H, W]`` row: decoded, resized and cropped as
+    ``decode_for_clip`` does, written as planes. What a GPU batch holds; also run by the
+    worker processes of ``shardprep.prepare_pool``, which have the spec but no model."""
+    # one strided copy (cv2.split and three plane copies cost 4x more on a 16-core GPU host)
+    out[...] = _decode_crop(data, spec).transpose(2, 0, 1)
+    return out
+
+
 class ClipEncoder:
     """A loaded CLIP model with its preprocess and tokenizer (as all_clip returns them)."""
 
@@ -205,19 +214,31 @@ class ClipEncoder:
                 return self.preprocess(im)
         import cv2
 
-        crop = _decode_crop(data, self.image_spec)
         if out is None:
             out = np.empty((3, *self.image_spec.crop), self._buffer_dtype())
         if out.dtype == np.uint8:  # GPU: normalised there, after the copy
-            # one strided copy (cv2.split and three plane copies cost 4x more on a 16-core GPU host)
-            out[...] = crop.transpose(2, 0, 1)
-        else:  # CPU: (x / 255 - mean) / std here, in the worker thread, while the cache is warm
-            planes = cv2.split(crop)
-            scale, shift = self._plane_norm()
-            for c in range(3):
-                np.multiply(planes[c], scale[c], out=out[c], dtype=np.float32)
-                out[c] -= shift[c]
+            return crop_into(data, self.image_spec, out)
+        # CPU: (x / 255 - mean) / std here, in the worker thread, while the cache is warm
+        planes = cv2.split(_decode_crop(data, self.image_spec))
+        scale, shift = self._plane_norm()
+        for c in range(3):
+            np.multiply(planes[c], scale[c], out=out[c], dtype=np.float32)
+            out[c] -= shift[c]
         return out
+
+    def fill_image_rows(self, out: np.ndarray, rows: np.ndarray) -> None:
+        """``rows``, uint8 ``[n, 3, H, W]`` made by ``crop_into`` elsewhere (a worker process), into
+        ``out``, the first ``n`` rows of a ``new_image_buffer``: copied (GPU), or normalised by the
+        float32 operations ``prepare_image`` does on CPU, so the values are the same bits."""
+        import torch
+
+        if out.dtype == np.uint8:
+            torch.from_numpy(out).copy_(torch.from_numpy(rows))  # torch copies on all its threads
+            return
+        scale, shift = self._plane_norm()
+        for c in range(3):
+            np.multiply(rows[:, c], scale[c], out=out[:, c], dtype=np.float32)
+            out[:, c] -= shift[c]
 
     def encode_prepared(self, items) -> np.ndarray:
         """Outputs of ``prepare_image`` (a list, or rows of an image buffer) -> float16 [N, D]."""
@@ -251,25 +272,58 @@ class ClipEncoder:
 
         if len(arrays) == 0:
             return np.zeros((0, self.dim), dtype=np.float16)
-        batch = torch.from_numpy(arrays if isinstance(arrays, np.ndarray) else np.stack(arrays))
-        if batch.dtype == torch.uint8:
-            scale, shift = (torch.from_numpy(v).view(1, 3, 1, 1).to(self.device) for v in self._plane_norm())
-            x = batch.to(self.device, non_blocking=True).float()
-            x = torch.addcmul(-shift, x, scale)
-        else:
-            x = batch.to(self.device)
+        x = self._array_input(arrays)
         with torch.inference_mode():
             return self._normalised_f16(self.model.encode_image(x))
 
+    def _array_input(self, arrays):
+        import torch
+
+        batch = torch.from_numpy(arrays if isinstance(arrays, np.ndarray) else np.stack(arrays))
+        if batch.dtype != torch.uint8:
+            return batch.to(self.device)
+        scale, shift = (torch.from_numpy(v).view(1, 3, 1, 1).to(self.device) for v in self._plane_norm())
+        x = batch.to(self.device, non_blocking=True).float()
+        return torch.addcmul(-shift, x, scale)
+
     @staticmethod
-    def _normalised_f16(features) -> np.ndarray:
+    def _normalised(features):
         import torch
 
         # normalise in float32 (autocast on GPU may hand back bf16/fp16), then store float16 like
         # clip-retrieval's mapper does
         f = features.float()
         f = f / f.norm(dim=-1, keepdim=True)
-        return f.cpu().to(torch.float16).numpy()
+        return f.to(torch.float16)
+
+    @classmethod
+    def _normalised_f16(cls, features) -> np.ndarray:
+        return cls._normalised(features).cpu().numpy()
+
+    def encode_step(self, items, tokens=None):
+        """``encode_prepared(items)`` and ``encode_tokens(tokens)`` (None: no text) as float16 tensors on the
+        device, without waiting for a GPU to compute them (``.cpu()`` them later): the caller prepares its
+        next batch meanwhile, so the GPU never idles between batches. On return the image buffer may be
+        refilled: its copy to the GPU is done. The same values as the two calls."""
+        import torch
+
+        cuda = self.device.startswith("cuda")
+        x = self._array_input(items) if self.fast_preprocess else torch.stack(list(items)).to(self.device)
+        copied = None
+        if cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        with torch.inference_mode():
+            img = self._normalised(self.model.encode_image(x))
+            txt = None
+            if tokens is not None:
+                tokens = self._trimmed(tokens)
+                # from page-locked memory: a copy from pageable memory would wait for the queued work
+                tokens = tokens.pin_memory().to(self.device, non_blocking=True) if cuda else tokens
+                txt = self._normalised(self.model.encode_text(tokens))
+        if copied is not None:
+            copied.synchronize()  # the images are on the GPU (this waits for the previous batch, not this one)
+        return img, txt
 
     def encode_image_tensors(self, tensors: Sequence) -> np.ndarray:
         """Preprocessed image tensors (outputs of ``self.preprocess``) -> float16 [N, D]."""
@@ -300,11 +354,15 @@ class ClipEncoder:
         """Token ids ``[N, context]`` (``self.tokenizer``'s output) -> float16 [N, D]."""
         import torch
 
+        tokens = self._trimmed(tokens)
+        with torch.inference_mode():
+            return self._normalised_f16(self.model.encode_text(tokens.to(self.device)))
+
+    def _trimmed(self, tokens):
         if self.trim_text_padding and tokens.ndim == 2 and tokens.shape[1] > 1:
             used = int((tokens != 0).any(dim=0).nonzero().max()) + 1 if bool((tokens != 0).any()) else 1
             tokens = tokens[:, :used]
-        with torch.inference_mode():
-            return self._normalised_f16(self.model.encode_text(tokens.to(self.device)))
+        return tokens
 
 
 def load_clip_encoder(spec: str, device: str = "auto", use_jit: bool = False) -> ClipEncoder:

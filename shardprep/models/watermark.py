@@ -28,11 +28,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardprep.clip_samples import IMAGE_EXTS
 from shardprep.curation.scores import ScoreModelError, head_file
 
 SIZE = 256  # LAION's T.Resize((256, 256))
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as LAION's Normalize
-IMAGE_EXTS = ("jpg", "png", "webp")  # img2dataset's encode formats, looked for in this order (as embeddings)
 WATERMARK_INDEX = 0  # softmax index of "watermark" (see the module docstring)
 
 

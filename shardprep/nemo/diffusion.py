@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardprep.embeddings import IMAGE_EXTS
+from shardprep.clip_samples import IMAGE_EXTS
 from shardprep.encode import encode_tar, finish, input_missing, positive_int
 from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardprep import storage
-from shardprep.embeddings import IMAGE_EXTS
+from shardprep.clip_samples import IMAGE_EXTS
 from shardprep.encode import encode_tar, finish, positive_int
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
