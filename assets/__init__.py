@@ -7,6 +7,7 @@ warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec
 warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of function `asset` is currently in beta")
 
 from shardprep.artifacts import ARTIFACTS, GLOBALS, PER_SHARD
+from shardprep_dagster.assets.captions import captions
 from shardprep_dagster.assets.diffusion import diffusion_samples
 from shardprep_dagster.assets.duplicates import duplicates
 from shardprep_dagster.assets.embeddings import clip_embeddings, reordered_embeddings
@@ -23,7 +24,7 @@ from shardprep_dagster.assets.video_diffusion import video_diffusion_samples
 from shardprep_dagster.assets.videos import video_shards
 
 _BY_NAME = {a.key.path[-1]: a for a in (source_parquet, image_shards, video_shards, clip_embeddings,
-                                        reordered_embeddings, image_scores, diffusion_samples, video_diffusion_samples,
+                                        reordered_embeddings, image_scores, captions, diffusion_samples, video_diffusion_samples,
                                         takedowns, duplicates, sample_selection, balanced_shards, wdinfo, precached_encodings,
                                         image_energon_index, diffusion_energon_index, dataset_report)}
 # in the records' order (shardprep.artifacts): a record without its asset fails here, at import
@@ -36,7 +37,7 @@ def batched(kind: str) -> list:
     return [_BY_NAME[name] for name in PER_SHARD if ARTIFACTS[name].batch == kind]
 
 
-__all__ = ["balanced_shards", "batched", "clip_embeddings", "dataset_report", "diffusion_energon_index",
+__all__ = ["balanced_shards", "batched", "captions", "clip_embeddings", "dataset_report", "diffusion_energon_index",
            "diffusion_samples", "duplicates", "global_assets", "image_energon_index", "image_scores", "image_shards",
            "per_shard_assets", "precached_encodings", "reordered_embeddings", "sample_selection", "shard_partitions",
            "source_parquet", "takedowns", "video_diffusion_samples", "video_shards", "wdinfo"]

@@ -83,6 +83,10 @@ _RECORDS = (
     Artifact("image_scores", SHARD, "curation", parents=("clip_embeddings",),
              fields=("aesthetic_model", "nsfw_model", "watermark_model"),
              media="image", outputs=("scores",), pool="gpu", batch="gpu", verify="check_image_scores"),
+    # a VLM's caption of every image of the shard's tar, beside its original caption
+    Artifact("captions", SHARD, "curation", parents=("image_shards",),
+             fields=("captioner", "caption_prompt", "caption_max_new_tokens"), media="image", outputs=("captions",),
+             pool="gpu", batch="gpu", enabled_by="captioner", verify="check_captions"),
     # the json's aesthetic_score is read from image_scores' files when an aesthetic head is configured;
     # what it depends on is the embeddings and that head (a new NSFW head changes no diffusion sample)
     Artifact("diffusion_samples", SHARD, "nemo_diffusion", parents=("image_shards", "image_scores"),

@@ -154,6 +154,15 @@ class DatasetConfig(BaseModel):
     # LAION's watermark detector (shardprep/models/watermark.py): its watermark_model_v1.pt (or safetensors),
     # path, URL or cached hub id as the heads; run by image_scores on every image's pixels (pwatermark)
     watermark_model: Text | None = Field(None, description="a watermark model file (path, URL or hub id) or null")
+    # synthetic captions (captions; shardprep/models/captioner.py): a vision-language model through transformers'
+    # auto classes (BLIP, BLIP-2, InstructBLIP, chat VLMs), a local folder or a hub id read from the local
+    # Hugging Face cache only; null: no captions (the asset is not in the graph). caption_prompt: the text the
+    # model is given (BLIP: the caption's start; chat VLMs: the question), null: unconditional; greedy
+    # decoding of at most caption_max_new_tokens tokens; caption_batch_size: images per model call (speed only)
+    captioner: Text | None = Field(None, description="a model folder or a hub id in the local cache, or null")
+    caption_prompt: Text | None = Field(None, description="a non-empty prompt, or null (unconditional)")
+    caption_max_new_tokens: PositiveInt = 30
+    caption_batch_size: PositiveInt = 16
     # duplicates across every image shard (shardprep/curation/dedup.py): exact (same sha256 of the downloaded bytes)
     # and near (cosine of the CLIP image embeddings >= dedup_threshold; clip-retrieval's query-time dedup
     # uses 0.94), the first arrival kept

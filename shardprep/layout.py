@@ -85,6 +85,14 @@ class Layout:
     def scores(self, shard: str) -> str:
         return self._join("scores", f"{shard}.parquet")
 
+    # captions: a vision-language model's caption of every image, beside the original one
+    @property
+    def captions_dir(self) -> str:
+        return self._join("captions")
+
+    def captions(self, shard: str) -> str:
+        return self._join("captions", f"{shard}.parquet")
+
     # duplicates: the dedup index and state (shardprep/curation/dedup.py), keep masks per shard
     @property
     def dedup_dir(self) -> str:

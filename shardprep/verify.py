@@ -221,6 +221,25 @@ def verify_image_scores(layout: Layout, shard: str, scored: bool) -> Findings:
     return f
 
 
+def verify_captions(layout: Layout, shard: str, read_tar: bool = True) -> Findings:
+    """A shard with a tar: its captions parquet, readable, one row per tar sample (``read_tar=False``: only
+    that it is readable); without one: no file."""
+    f = Findings()
+    url = layout.captions(shard)
+    if not storage.exists(layout.tar(shard)):
+        if storage.exists(url):
+            f.fail(url, "exists, but the shard has no tar (no sample)")
+        return f
+    n = _read(f, url, parquet_rows, "captions parquet")
+    f.facts.update(captioned_rows=n)
+    if n is None or not read_tar:
+        return f
+    keys = _read(f, layout.tar(shard), sample_keys, "tar")
+    if keys is not None and n != len(keys):
+        f.fail(url, f"{n} rows, the shard's tar has {len(keys)} samples")
+    return f
+
+
 def verify_reordered_embeddings(layout: Layout, shard: str, rows: int | None = None, index_width: int = 0,
                                 deep: bool = False) -> Findings:
     """``[rows, D]`` files like their clip-retrieval source; deep: row i is the embedding of the sample
@@ -505,6 +524,10 @@ def check_reordered_embeddings(t: Target) -> Findings:
 def check_image_scores(t: Target) -> Findings:
     return verify_image_scores(t.layout, t.shard, scored=bool(t.cfg.aesthetic_model or t.cfg.nsfw_model
                                                                         or t.cfg.watermark_model))
+
+
+def check_captions(t: Target) -> Findings:
+    return verify_captions(t.layout, t.shard, read_tar=t.read_tars)
 
 
 def check_diffusion_samples(t: Target) -> Findings:

@@ -107,6 +107,10 @@ BAD_VALUES = {
     "aesthetic_model": ["", "  ", 3, ["a.pth"]],  # a file that does not fit: tests/test_scores.py
     "nsfw_model": ["", "  ", 3, ["a.pth"]],
     "watermark_model": ["", "  ", 3, ["a.pth"]],
+    "captioner": ["", "  ", 3, ["Salesforce/blip-image-captioning-base"]],
+    "caption_prompt": ["", "  ", 3, ["a photograph of"]],
+    "caption_max_new_tokens": _NOT_POSITIVE,
+    "caption_batch_size": _NOT_POSITIVE,
     "dedup": _NOT_FLAG,
     "dedup_threshold": [0, -0.5, 1.5, "0.9", True, float("nan")],
     "aesthetic_min": ["5", True, float("inf"), [5]],

@@ -37,9 +37,9 @@ from tests.fixtures.live_dagster import LiveDagster, prepare_home, start_live_da
 SHARDS = [f"{i:05d}" for i in range(9)]
 BACKFILL_SHARDS = SHARDS[:6]  # upstream ready before the server starts
 UI_SHARDS = ["00006", "00007"]
-# the stack's config disables the NeMo outputs, so the diffusion assets are not in its graph
-PER_SHARD = [a.key.to_user_string() for a in per_shard_assets
-             if artifact(a.key.path[-1]).enabled_by != "enable_nemo_diffusion"]
+# the stack's config disables the NeMo outputs and sets no captioner, so the diffusion assets and captions
+# are not in its graph
+PER_SHARD = [a.key.to_user_string() for a in per_shard_assets if artifact(a.key.path[-1]).enabled_by is None]
 GPU_SHARDS_PER_RUN = 3
 ARTIFACTS = CHECKOUT / "test-artifacts" / "live_ui"
 CHROMIUM = "/usr/bin/chromium"

@@ -112,9 +112,11 @@ def test_two_processes_share_a_connection_limit_through_redis(tmp_path, prefix, 
     each = [_fields(tmp_path, per_host_state_dir=str(tmp_path / f"limits{i}"), output_root=str(tmp_path / f"o{i}"),
                     per_host_connections=2) for i in (0, 1)]
     free = [{**f, "per_host_connections": 0} for f in each]
-    _in_two_processes(prefix, (each, [limited.urls(10, "/p0"), limited.urls(10, "/p1")]),
-                      (free, [unlimited.urls(10, "/p0"), unlimited.urls(10, "/p1")]))
-    assert len(limited.starts) == len(unlimited.starts) == 20
+    # 20 requests of 0.2 s each through 2 slots: >= 2 s of work per process, so a start delayed by a busy
+    # machine still leaves the two processes' requests overlapping
+    _in_two_processes(prefix, (each, [limited.urls(20, "/p0"), limited.urls(20, "/p1")]),
+                      (free, [unlimited.urls(20, "/p0"), unlimited.urls(20, "/p1")]))
+    assert len(limited.starts) == len(unlimited.starts) == 40
     assert _overlap(limited.spans) > 0  # they did run at once, each with 4 threads and a limit of 2
     assert limited.most == 2  # together never more than 2 (and the limit was reached)
     assert unlimited.most > 2  # the same without the limit: more at once, so the check above can fail

@@ -53,7 +53,7 @@ def test_verify_names_each_broken_output_and_run_repairs_only_those(done):
     assert clean.ok, clean.summary()
     assert clean.checked == {"source_parquet": 3, "image_shards": 3, "clip_embeddings": 3,
                              "reordered_embeddings": 3, "image_scores": 3, "image_energon_index": 1,
-                             "duplicates": 1, "sample_selection": 1, "dataset_report": 1}
+                             "duplicates": 1, "sample_selection": 1, "takedowns": 1, "dataset_report": 1}
 
     tar = Path(layout.tar("00001"))
     good_keys = [s["__key__"] for s in wds.WebDataset(str(tar), shardshuffle=False)]

@@ -25,7 +25,8 @@ def changed(**fields) -> set[str]:
 
 
 def test_versions_follow_the_fields_each_artifact_reads():
-    downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "image_scores", "duplicates",
+    downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "image_scores", "captions",
+                            "duplicates",
                             "sample_selection", "diffusion_samples",
                             "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
                             "diffusion_energon_index", "dataset_report"}
@@ -33,6 +34,9 @@ def test_versions_follow_the_fields_each_artifact_reads():
     assert changed(clip_model="open_clip:ViT-B-32/laion2b_s34b_b79k") == {
         "clip_embeddings", "reordered_embeddings", "image_scores", "duplicates", "dataset_report"}
     assert changed(diffusion_resolution=256) == {"diffusion_samples", "diffusion_energon_index"}
+    # synthetic captions: only the captions (nothing reads them yet)
+    assert changed(captioner="Salesforce/blip-image-captioning-base") == {"captions"}
+    assert changed(caption_prompt="a photograph of") == changed(caption_max_new_tokens=10) == {"captions"}
     # a video setting makes only what is made from videos stale, never an image output
     assert changed(video_size=360) == {"video_shards", "video_diffusion_samples", "diffusion_energon_index",
                                        "dataset_report"}
@@ -47,7 +51,7 @@ def test_versions_follow_the_fields_each_artifact_reads():
     assert changed(dedup=True) == selected | {"duplicates"}
     # how fast, not what: nothing is stale
     for speed in ({"thread_count": 8}, {"batch_size": 16}, {"timeout": 3}, {"decode_threads": 1},
-                  {"device": "cpu"}, {"nemo_batch_size": 2}, {"retries": 2}):
+                  {"device": "cpu"}, {"nemo_batch_size": 2}, {"retries": 2}, {"caption_batch_size": 4}):
         assert changed(**speed) == set(), speed
     # every config field is either read by an artifact or known to change no output
     read = {f for record in ARTIFACTS.values() for f in record.fields}
@@ -57,7 +61,7 @@ def test_versions_follow_the_fields_each_artifact_reads():
                   "respect_robots_txt", "disallowed_header_directives",  # which URLs are fetched, like the address guard: shards kept are not redone
                   # how fast a host is asked, not what a shard holds
                   "per_host_connections", "per_host_requests_per_second", "per_host_state_dir", "per_host_limits_url",
-                  "batch_size", "nemo_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
+                  "batch_size", "nemo_batch_size", "caption_batch_size", "enable_nemo_text2img", "enable_nemo_diffusion", "video_source",
                   "video_thread_count", "video_decode_threads", "video_timeout"}
     assert read | speed_only == set(config_from_dict(BASE).to_dict()), "classify the new config field"
 

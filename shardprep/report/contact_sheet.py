@@ -269,11 +269,12 @@ def _cut(draw: ImageDraw.ImageDraw, line: str, font, width: int, ellipsis: bool)
     return line[:n].rstrip() + "..."
 
 
-def grid_size(n_images: int, thumb: int) -> tuple[int, int]:
-    """Pixel (width, height) of the sheet for ``n_images`` thumbnails of ``thumb`` pixels."""
+def grid_size(n_images: int, thumb: int, lines: int = CAPTION_LINES) -> tuple[int, int]:
+    """Pixel (width, height) of the sheet for ``n_images`` thumbnails of ``thumb`` pixels (``lines`` caption
+    lines under each)."""
     cols = min(n_images, COLUMNS)
     rows = math.ceil(n_images / cols)
-    cell_w, cell_h = thumb + 2 * PAD, thumb + CAPTION_LINES * LINE_HEIGHT + 3 * PAD
+    cell_w, cell_h = thumb + 2 * PAD, thumb + lines * LINE_HEIGHT + 3 * PAD
     return cols * cell_w, rows * cell_h
 
 
@@ -301,13 +302,15 @@ def samples_of(tar_url: str, captions: dict[str, str]) -> list[tuple[str, bytes,
     return [(k, image, c) for k, c in captions.items() if k in found and (image := image_of(found[k])) is not None]
 
 
-def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> bytes:
-    """PNG bytes of ``(key, image bytes, caption)`` thumbnails, ``COLUMNS`` per row (see contact_sheet)."""
-    width, height = grid_size(len(samples), thumb)
+def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96, lines: int = CAPTION_LINES) -> bytes:
+    """PNG bytes of ``(key, image bytes, caption)`` thumbnails, ``COLUMNS`` per row (see contact_sheet),
+    ``lines`` caption lines under each; a caption given as a tuple of parts (a synthetic and an original
+    caption) gives each part its share of the lines."""
+    width, height = grid_size(len(samples), thumb, lines)
     sheet = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(sheet)
     font = _font()
-    cell_w, cell_h = thumb + 2 * PAD, thumb + CAPTION_LINES * LINE_HEIGHT + 3 * PAD
+    cell_w, cell_h = thumb + 2 * PAD, thumb + lines * LINE_HEIGHT + 3 * PAD
     for i, (key, data, caption) in enumerate(samples):
         x0, y0 = (i % COLUMNS) * cell_w + PAD, (i // COLUMNS) * cell_h + PAD
         sheet.paste(CELL_BACKGROUND, (x0, y0, x0 + thumb, y0 + thumb))
@@ -322,7 +325,9 @@ def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96) -> byte
                 sheet.paste(img, (x0 + (thumb - img.width) // 2, y0 + (thumb - img.height) // 2))
         except (OSError, ValueError, Image.DecompressionBombError):
             font.draw(draw, (x0 + 2, y0 + thumb // 2 - 5), f"{key}: unreadable", fill=(160, 0, 0))
-        for j, line in enumerate(_fit(draw, caption or key, font, thumb, CAPTION_LINES)):
+        parts = [p or "" for p in caption] if isinstance(caption, tuple) else [caption or key]
+        shown = [line for part in parts for line in _fit(draw, part, font, thumb, max(1, lines // max(1, len(parts))))]
+        for j, line in enumerate(shown[:lines]):
             font.draw(draw, (x0, y0 + thumb + PAD + j * LINE_HEIGHT), line, fill=TEXT)
     buf = io.BytesIO()
     sheet.save(buf, format="PNG", optimize=True)

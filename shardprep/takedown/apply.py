@@ -9,6 +9,7 @@ Per shard, each artifact's files are rewritten without the samples (atomically, 
 * ``clip_embeddings``: the rows of ``img_emb``/``text_emb`` and of the metadata parquet (rows stay aligned);
 * ``reordered_embeddings``: the samples' rows (row = key index) become zero rows, as a missing sample's;
 * ``image_scores``: the rows of ``scores/{shard}.parquet``;
+* ``captions``: the rows of ``captions/{shard}.parquet``;
 * ``diffusion_samples`` / ``video_diffusion_samples``: the samples' members of the diffusion tar.
 
 Each artifact whose stamp exists is stamped again at the same version with a new time and the new file
@@ -185,6 +186,10 @@ def _scores(layout: Layout, shard: str, drop, **_) -> int:
     return _filter_parquet(layout.scores(shard), drop, "key")[0]
 
 
+def _captions(layout: Layout, shard: str, drop, **_) -> int:
+    return _filter_parquet(layout.captions(shard), drop, "key")[0]
+
+
 def _diffusion(layout: Layout, shard: str, drop, **_) -> int:
     return filter_tar(layout.diffusion_tar(shard), drop)
 
@@ -228,6 +233,7 @@ REMOVERS: dict[str, Callable[..., int]] = {
     "clip_embeddings": _embeddings,
     "reordered_embeddings": _reordered,
     "image_scores": _scores,
+    "captions": _captions,
     "diffusion_samples": _diffusion,
     "video_diffusion_samples": _diffusion,
 }
@@ -324,6 +330,21 @@ class ApplyReport:
         return dict(Counter(r["list"] for s in self.shards for r in s.removed))
 
 
+def _shard_identities(layout: Layout, only: list[str] | None = None) -> dict[str, str]:
+    """``{shard: version@written_at}`` of the image and video shards whose download is complete."""
+    from shardprep import state
+
+    state.ensure(layout)
+    out: dict[str, str] = {}
+    for st in state.load(layout, ["image_shards", "video_shards"], fold_first=False).values():
+        t = st.table.filter(pc.is_valid(st.table.column("version")))
+        if only is not None:
+            t = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(only, pa.string())))
+        out.update({s: f"{v}@{w}" for s, v, w in zip(t.column("shard").to_pylist(), t.column("version").to_pylist(),
+                                                     t.column("written_at").to_pylist())})
+    return out
+
+
 def _set_version(lists) -> str:
     import hashlib
 
@@ -356,14 +377,15 @@ def apply_lists(layout: Layout, list_urls: list[str] | tuple[str, ...] = (), *,
     text = storage.read_text(layout.takedown_checked)
     before = json.loads(text) if text else {}
     checked = before.get("shards", {}) if before.get("set") == set_version else {}
+    # which shards changed since they were checked: their image/video stamps in the state index (one table
+    # read, no request per shard: LAION-5B has 580,000); a shard without a complete download is skipped,
+    # its next download leaves the listed rows out
+    made = _shard_identities(layout)
     for shard in ledger.keys():
+        ident = made.get(shard)
+        if ident is None or checked.get(shard) == ident:
+            continue
         media = ledger.media(shard)
-        url = _parquet_url(layout, shard, media)
-        if not storage.exists(url):
-            continue
-        ident = "%d:%s" % storage.stat(url)
-        if checked.get(shard) == ident:
-            continue
         report.checked += 1
         if find_matches(layout, shard, media, takedowns):
             with locked(shard, media) if locked is not None else contextlib.nullcontext():
@@ -372,7 +394,8 @@ def apply_lists(layout: Layout, list_urls: list[str] | tuple[str, ...] = (), *,
             report.shards.append(done)
             if on_shard is not None:
                 on_shard(done)
-        checked[shard] = "%d:%s" % storage.stat(url)
+            ident = _shard_identities(layout, [shard]).get(shard)  # stamped again
+        checked[shard] = ident
     if report.shards:
         report.audit = storage.join(layout.takedown_audit_dir,
                                     f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}.json")

@@ -1,0 +1,127 @@
+"""Synthetic captions of one image shard, from a vision-language model (``shardprep.models.captioner``).
+
+``layout.tar(shard)`` -> ``layout.captions(shard)`` (``<root>/captions/{shard}.parquet``), one row per
+sample of the tar, in tar order:
+
+* ``key``: the sample's key;
+* ``caption``: the model's caption (null when the sample was skipped);
+* ``original_caption``: the sample's ``.txt`` (null when it has none);
+* ``model``: the captioner as configured; ``prompt``: the prompt given (null: unconditional);
+* ``skip_reason``: null, or why there is no caption (no image member, or it cannot be decoded): a bad
+  image is a recorded skip, never an error, and every sample keeps its row.
+
+Images are decoded in a thread pool (PIL releases the GIL), one batch ahead of the model. The file is
+written atomically; a shard without a tar (no sample downloaded) gets no file, and a stale one is removed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+
+from shardprep.clip_samples import IMAGE_EXTS
+from shardprep.layout import Layout
+from shardprep.storage import exists, read_parquet, remove, write_parquet
+
+COLUMNS = ("key", "caption", "original_caption", "model", "prompt", "skip_reason")
+
+
+@dataclass
+class CaptionsReport:
+    shard: str
+    samples: int = 0  # rows written (every sample of the tar)
+    captioned: int = 0
+    skipped: list[dict] = field(default_factory=list)  # {"key", "reason"}
+    seconds: float = 0.0
+
+
+def _decode(sample: dict):
+    from PIL import Image
+
+    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    if ext is None:
+        raise ValueError("no image member (" + "/".join(IMAGE_EXTS) + ")")
+    with Image.open(io.BytesIO(sample[ext])) as im:
+        return im.convert("RGB")  # loads the pixels: a truncated file fails here, in the pool
+
+
+def _text(sample: dict) -> str | None:
+    data = sample.get("txt")
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | None = None,
+                max_new_tokens: int = 30, threads: int = 0) -> list[dict]:
+    """A row (``COLUMNS``) per sample of the webdataset tar at ``tar_url``, in tar order; ``captioner``:
+    a ``models.captioner.Captioner`` (anything with its ``generate`` and ``name``); ``threads``: decode
+    threads (0: one per core)."""
+    from shardprep.tars import iter_samples
+
+    rows: list[dict] = []
+
+    def run(batch: list[tuple[str, str | None, Future]]) -> None:
+        images, at = [], []
+        for key, original, decoded in batch:
+            row = {"key": key, "caption": None, "original_caption": original, "model": captioner.name,
+                   "prompt": prompt, "skip_reason": None}
+            try:
+                images.append(decoded.result())
+                at.append(len(rows))
+            except Exception as e:  # noqa: BLE001 - a bad image is a recorded skip
+                row["skip_reason"] = f"image decode failed: {type(e).__name__}: {e}"
+            rows.append(row)
+        if images:
+            for i, text in zip(at, captioner.generate(images, prompt, max_new_tokens), strict=True):
+                rows[i]["caption"] = text
+
+    if not threads:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    samples = iter_samples(tar_url)
+    with ThreadPoolExecutor(threads) as pool:
+        ahead: list[tuple[str, str | None, Future]] = []  # decoded while the model captions the batch before
+        while True:
+            started = [(s["__key__"], _text(s), pool.submit(_decode, s)) for s in islice(samples, batch_size)]
+            if ahead:
+                run(ahead)
+            if not started:
+                break
+            ahead = started
+    return rows
+
+
+def captions_table(rows: list[dict]):
+    import pyarrow as pa
+
+    string = pa.string()
+    return pa.table({c: pa.array([r[c] for r in rows], string) for c in COLUMNS})
+
+
+def write_captions(shard: str, layout: Layout, captioner, batch_size: int = 16, prompt: str | None = None,
+                   max_new_tokens: int = 30, threads: int = 0) -> CaptionsReport:
+    """Caption every sample of ``shard``'s tar and write ``layout.captions(shard)`` (module docstring)."""
+    start = time.perf_counter()
+    report = CaptionsReport(shard=shard)
+    url = layout.captions(shard)
+    if not exists(layout.tar(shard)):
+        remove(url)
+        report.seconds = time.perf_counter() - start
+        return report
+    rows = caption_tar(layout.tar(shard), captioner, batch_size, prompt, max_new_tokens, threads)
+    write_parquet(url, captions_table(rows))  # atomic (shardprep.storage)
+    report.samples = len(rows)
+    report.captioned = sum(r["caption"] is not None for r in rows)
+    report.skipped = [{"key": r["key"], "reason": r["skip_reason"]} for r in rows if r["skip_reason"] is not None]
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def read_captions(layout: Layout, shard: str) -> dict[str, dict]:
+    """``{key: row}`` of ``shard``'s captions (empty when it has none)."""
+    url = layout.captions(shard)
+    if not exists(url):
+        return {}
+    return {r["key"]: r for r in read_parquet(url).to_pylist()}

@@ -1,0 +1,162 @@
+"""Synthetic captions from a vision-language model, through Hugging Face transformers.
+
+``captioner`` (the config field) names a local model folder, or a hub id read from the local Hugging
+Face cache only (``local_files_only=True``: nothing is downloaded). It is loaded with ``AutoProcessor`` and:
+
+* ``AutoModelForVision2Seq`` first: BLIP, BLIP-2, InstructBLIP (and what else transformers maps to it);
+* else ``AutoModelForImageTextToText``: newer chat VLMs (Qwen2-VL / Qwen2.5-VL, LLaVA family, Idefics...).
+
+How the prompt is used follows the processor, not the auto class (transformers 4.57 maps some chat VLMs,
+Qwen2-VL and LLaVA among them, to both classes):
+
+* a processor with a chat template (chat VLMs): the prompt (default "Describe this image.") is the user
+  turn of a one-image conversation through that template, with the generation prompt added; batches are
+  padded on the left, as decoder-only generation needs;
+* without one (BLIP, BLIP-2, InstructBLIP): the prompt, when given, is passed as the text (BLIP: the
+  start of the caption, e.g. "a photograph of"; InstructBLIP: the instruction); None: unconditional.
+
+Output: when the generated ids start with the input ids (decoder-only models), those are cut off before
+decoding; a caption that starts with the prompt as the tokenizer writes it back (BLIP echoes it,
+lowercased) has it stripped. Only the BLIP path is exercised by the tests (tests/test_captions.py: a tiny
+random-weight BLIP); the chat path follows transformers' documented usage and is untested here.
+
+Florence-2 as Microsoft publishes it (``microsoft/Florence-2-*``) is remote code (``trust_remote_code``),
+which is never run: not loadable offline. (transformers 4.57's native ``Florence2ForConditionalGeneration``,
+for checkpoints converted to it, goes through the ``AutoModelForImageTextToText`` path; untested.)
+
+Generation is greedy (``do_sample=False``, one beam): the same model, images and settings give the same
+captions. Whitespace in the output is normalised (runs of spaces/newlines -> one space, stripped).
+A model is loaded once per process per (spec, device), in eval mode, on the resolved device.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from shardprep.errors import ShardprepError
+
+DEFAULT_CHAT_PROMPT = "Describe this image."
+LOAD_COUNT = 0  # models loaded by this process (worker metadata)
+
+
+class CaptionerError(ShardprepError, ValueError):
+    """The captioner cannot be loaded, or is not an image-to-text model."""
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+@dataclass
+class Captioner:
+    spec: str  # as configured
+    device: str
+    processor: Any
+    model: Any
+    chat: bool  # its processor has a chat template: the prompt goes through it
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    def _inputs(self, images: list, prompt: str | None):
+        if self.chat:
+            text = self._chat_text(prompt or DEFAULT_CHAT_PROMPT)
+            return self.processor(images=images, text=[text] * len(images), return_tensors="pt", padding=True)
+        if prompt is None:
+            return self.processor(images=images, return_tensors="pt")
+        return self.processor(images=images, text=[prompt] * len(images), return_tensors="pt", padding=True)
+
+    def _chat_text(self, prompt: str) -> str:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        template = getattr(self.processor, "apply_chat_template", None)
+        if template is None or getattr(self.processor, "chat_template", None) is None:
+            return prompt  # e.g. PaliGemma: the processor adds the image tokens itself
+        return template(messages, add_generation_prompt=True)
+
+    def generate(self, images: list, prompt: str | None = None, max_new_tokens: int = 30) -> list[str]:
+        """One caption per PIL image of ``images`` (one batch: the caller batches), greedy."""
+        import torch
+
+        if not images:
+            return []
+        rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
+        inputs = self._inputs(rgb, prompt).to(self.device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
+        ids = inputs.get("input_ids")
+        if ids is not None and out.shape[1] >= ids.shape[1] and torch.equal(out[:, :ids.shape[1]], ids):
+            out = out[:, ids.shape[1]:]  # a decoder-only model returns its input first
+        texts = [normalise(t) for t in self.processor.batch_decode(out, skip_special_tokens=True)]
+        if prompt is not None and not self.chat:
+            echoed = self._rendered(prompt)
+            texts = [normalise(t[len(echoed):]) if echoed and t.startswith(echoed) else t for t in texts]
+        return texts
+
+    def _rendered(self, prompt: str) -> str:
+        """``prompt`` as the model writes it back (tokenised then decoded: BLIP's tokenizer lowercases)."""
+        tok = getattr(self.processor, "tokenizer", self.processor)
+        return normalise(tok.decode(tok(prompt, add_special_tokens=False)["input_ids"], skip_special_tokens=True))
+
+
+_CACHE: dict[tuple[str, str], Captioner] = {}
+_LOCK = threading.Lock()
+
+
+def load_captioner(spec: str, device: str = "auto") -> Captioner:
+    """The captioner ``spec`` names (a local folder, or a hub id in the local cache), on ``device``
+    (``auto``: CUDA when there is one); once per process per (spec, device)."""
+    from shardprep.models.clip import resolve_device
+
+    resolved = resolve_device(device)
+    key = (spec, resolved)
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = _load(spec, resolved)
+        return _CACHE[key]
+
+
+def _load(spec: str, device: str) -> Captioner:
+    global LOAD_COUNT
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForVision2Seq, AutoProcessor
+
+    where = "local folder" if os.path.isdir(spec) else "hub id (local cache only)"
+    try:
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - named with its cause
+        first = (str(e).splitlines() or [""])[0]
+        raise CaptionerError(f"captioner {spec!r} ({where}): cannot be loaded ({type(e).__name__}: "
+                             f"{first[:300] + '...' if len(first) > 300 else first})") from e
+    model = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # AutoModelForVision2Seq's deprecation notice in transformers >= 4.5x
+        for auto in (AutoModelForVision2Seq, AutoModelForImageTextToText):
+            if type(config) not in auto._model_mapping:
+                continue
+            try:
+                model = auto.from_pretrained(spec, local_files_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CaptionerError(f"captioner {spec!r}: cannot load its weights ({type(e).__name__}: {e})") from e
+            break
+    if model is None:
+        raise CaptionerError(f"captioner {spec!r}: a {config.model_type!r} model is not an image-to-text model "
+                             "(neither AutoModelForVision2Seq nor AutoModelForImageTextToText takes it)")
+    try:
+        processor = AutoProcessor.from_pretrained(spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CaptionerError(f"captioner {spec!r}: cannot load its processor ({type(e).__name__}: {e})") from e
+    if not hasattr(processor, "image_processor"):
+        raise CaptionerError(f"captioner {spec!r}: its processor ({type(processor).__name__}) takes no images")
+    chat = getattr(processor, "chat_template", None) is not None
+    if chat and getattr(processor, "tokenizer", None) is not None:
+        processor.tokenizer.padding_side = "left"  # decoder-only generation continues every row at its end
+    LOAD_COUNT += 1
+    return Captioner(spec, device, processor, model.eval().to(device), chat)
