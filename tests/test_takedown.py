@@ -2,6 +2,7 @@
 no byte of the listed images anywhere under the output root, every loader reads the rest, the removal is
 audited, and no later run brings a listed sample back -- nor downloads a newly appended listed row."""
 
+import io
 import json
 import tarfile
 import time
@@ -305,3 +306,39 @@ def test_video_clips_of_a_listed_row_are_removed_and_never_downloaded_again(vide
     again = pq.read_table(f"{out}/00000.parquet").to_pylist()
     assert [(r["key"], r["status"], r["error_message"]) for r in again if r["key"].startswith("0000001")] == [
         ("0000001", "failed_to_download", REMOVED)]
+
+
+def test_configured_lists_keep_rows_out_of_a_first_download_and_are_read_again_only_when_changed(
+        tmp_path, scripted_server, monkeypatch):
+    from shardprep.config import config_from_dict
+    from shardprep.images.shards import write_image_shard
+    from shardprep.takedown import lists
+    from tests.fixtures.scripted_http import Reply
+
+    buf = io.BytesIO()
+    synthetic.render_image(2, 32, 24).save(buf, "JPEG")
+    for p in ("/a.jpg", "/b.jpg", "/c.jpg"):
+        scripted_server.script(p, Reply(200, buf.getvalue()))
+    listed = tmp_path / "optout.txt"
+    listed.write_text(scripted_server.url("/b.jpg") + "\n")
+    cfg = config_from_dict({"source": str(tmp_path / "src"), "output_root": str(tmp_path / "out"), "url_col": "url",
+                            "caption_col": None, "image_size": 16, "allow_private_addresses": True,
+                            "respect_robots_txt": False, "extract_exif": False, "takedown_lists": [str(listed)],
+                            "per_host_state_dir": str(tmp_path / "limits")})
+    reads = []
+    monkeypatch.setattr(lists, "read_list", lambda url, real=lists.read_list: reads.append(url) or real(url))
+    layout = Layout(cfg.output_root)
+    urls = pa.table({"url": [scripted_server.url(p) for p in ("/a.jpg", "/b.jpg", "/c.jpg")]})
+    write_image_shard(urls, 0, cfg, layout)
+    rows = pq.read_table(layout.shard_parquet("00000")).to_pylist()
+    assert [(r["status"], r["error_message"]) for r in rows] == [
+        ("success", None), ("failed_to_download", REMOVED), ("success", None)]
+    assert scripted_server.hits("/b.jpg") == 0 and len(registered(layout)) == 1
+    write_image_shard(urls, 1, cfg, layout)
+    assert len(reads) == 1  # the same file: registered once, not read for every shard
+    time.sleep(0.01)
+    listed.write_text(scripted_server.url("/c.jpg") + "\n")
+    write_image_shard(urls, 2, cfg, layout)
+    assert len(reads) == 2 and len(registered(layout)) == 2
+    rows = pq.read_table(layout.shard_parquet("00002")).to_pylist()
+    assert [r["status"] for r in rows] == ["success", "failed_to_download", "failed_to_download"]

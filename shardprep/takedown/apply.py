@@ -330,7 +330,11 @@ class ApplyReport:
         return dict(Counter(r["list"] for s in self.shards for r in s.removed))
 
 
-def _shard_identities(layout: Layout, only: list[str] | None = None) -> dict[str, str]:
+def _identity(version: str, written_at) -> str:
+    return f"{version}@{written_at}"
+
+
+def _shard_identities(layout: Layout) -> dict[str, str]:
     """``{shard: version@written_at}`` of the image and video shards whose download is complete."""
     from shardprep import state
 
@@ -338,9 +342,7 @@ def _shard_identities(layout: Layout, only: list[str] | None = None) -> dict[str
     out: dict[str, str] = {}
     for st in state.load(layout, ["image_shards", "video_shards"], fold_first=False).values():
         t = st.table.filter(pc.is_valid(st.table.column("version")))
-        if only is not None:
-            t = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(only, pa.string())))
-        out.update({s: f"{v}@{w}" for s, v, w in zip(t.column("shard").to_pylist(), t.column("version").to_pylist(),
+        out.update({s: _identity(v, w) for s, v, w in zip(t.column("shard").to_pylist(), t.column("version").to_pylist(),
                                                      t.column("written_at").to_pylist())})
     return out
 
@@ -394,7 +396,8 @@ def apply_lists(layout: Layout, list_urls: list[str] | tuple[str, ...] = (), *,
             report.shards.append(done)
             if on_shard is not None:
                 on_shard(done)
-            ident = _shard_identities(layout, [shard]).get(shard)  # stamped again
+            stamp = read_stamp(layout, "image_shards" if media == "image" else "video_shards", shard)
+            ident = _identity(stamp["version"], stamp.get("written_at")) if stamp else None  # stamped again
         checked[shard] = ident
     if report.shards:
         report.audit = storage.join(layout.takedown_audit_dir,

@@ -204,12 +204,23 @@ def registered(layout: Layout) -> list[RegisteredList]:
         name = path.rsplit("/", 1)[-1]
         if not name.endswith(".parquet") or storage.TEMP_MARK in name:
             continue
-        table = storage.read_parquet(layout.takedown_list(name[: -len(".parquet")]))
+        out.append(_read_registered(layout.takedown_list(name[: -len(".parquet")])))
+    return sorted(out, key=lambda r: (r.registered_at, r.version))
+
+
+# A registered list's file is named by its content and never rewritten, so a process reads it once: every
+# download step asks for the lists, and an opt-out list may hold millions of entries
+_READ: dict[str, "RegisteredList"] = {}
+
+
+def _read_registered(url: str) -> "RegisteredList":
+    if url not in _READ:
+        table = storage.read_parquet(url)
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
         entries = [Entry(k, v, r) for k, v, r in zip(*(table.column(c).to_pylist() for c in SCHEMA.names))]
-        out.append(RegisteredList(name[: -len(".parquet")], meta.get("source", "?"),
-                                  float(meta.get("registered_at", 0)), entries))
-    return sorted(out, key=lambda r: (r.registered_at, r.version))
+        _READ[url] = RegisteredList(url.rsplit("/", 1)[-1][: -len(".parquet")], meta.get("source", "?"),
+                                    float(meta.get("registered_at", 0)), entries)
+    return _READ[url]
 
 
 @dataclass
@@ -262,16 +273,31 @@ def _host(url: str) -> str:
         return ""
 
 
+_SETS: dict[tuple[str, ...], TakedownSet] = {}  # by the versions of the lists (built once per process)
+
+
 def current_set(layout: Layout) -> TakedownSet:
     """The entries of every list registered under ``layout`` (empty when none is)."""
-    return TakedownSet.of(registered(layout))
+    lists = registered(layout)
+    versions = tuple(lst.version for lst in lists)
+    if versions not in _SETS:
+        _SETS[versions] = TakedownSet.of(lists)
+    return _SETS[versions]
+
+
+_CONFIGURED: dict[tuple, str] = {}  # (list URL, size, change stamp) -> version registered from it
 
 
 def takedown_set(layout: Layout, config_lists: tuple[str, ...] = ()) -> TakedownSet:
     """What a download must leave out: the config's lists (registered here if new, so a first run that
     names one never fetches its samples) and every list registered before."""
     for url in config_lists:
-        register(layout, read_list(url), url)
+        seen = (layout.root, url, *storage.stat(url)) if storage.exists(url) else None
+        # a list file not changed since it was registered here is not read again
+        if seen is None or not storage.exists(layout.takedown_list(_CONFIGURED.get(seen, ""))):
+            version = register(layout, read_list(url), url)
+            if seen is not None:
+                _CONFIGURED[seen] = version
     return current_set(layout)
 
 
