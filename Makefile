@@ -48,6 +48,7 @@ bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/dedup.py  # duplicates at 1M embeddings: bench/DEDUP.md
 	$(PY) bench/cli_start.py  # `shardprep status` and --help start-up: bench/CLI.md
+	$(PY) bench/pixels.py  # one decode per image for CLIP, watermark and captioner: bench/PIXELS.md
 
 # A local S3 server (seaweedfs, from the test extra) in the foreground, data kept under .s3/; it prints
 # the AWS_* exports that point shardprep at it. Ctrl-C stops it.

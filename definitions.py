@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from shardprep.artifacts import enabled
+from shardprep.artifacts import enabled, enabled_parents
 from shardprep.storage import exists
 from shardprep_dagster.assets import batched, global_assets, per_shard_assets
 from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncoders
@@ -33,8 +33,15 @@ def _enabled(assets: list[dg.AssetsDefinition], config_path: str) -> list[dg.Ass
     if not exists(config_path):
         return assets
     cfg, versions = load_dataset(config_path)
-    return [a.map_asset_specs(lambda spec: spec.replace_attributes(code_version=versions[spec.key.path[-1]]))
-            for a in assets if enabled(a.key.path[-1], cfg)]
+
+    def configured(spec: dg.AssetSpec) -> dg.AssetSpec:
+        # a dependency on an asset the config turns off is dropped: it is never materialized, and
+        # automation would wait on it for ever
+        name = spec.key.path[-1]
+        deps = [d for d in spec.deps if d.asset_key.path[-1] in enabled_parents(name, cfg)]
+        return spec.replace_attributes(code_version=versions[name], deps=deps)
+
+    return [a.map_asset_specs(configured) for a in assets if enabled(a.key.path[-1], cfg)]
 
 
 def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definitions:

@@ -20,11 +20,12 @@ from shardprep_dagster.assets.scores import image_scores
 from shardprep_dagster.assets.selection import sample_selection
 from shardprep_dagster.assets.source import source_parquet
 from shardprep_dagster.assets.takedowns import takedowns
+from shardprep_dagster.assets.training_text import training_text
 from shardprep_dagster.assets.video_diffusion import video_diffusion_samples
 from shardprep_dagster.assets.videos import video_shards
 
 _BY_NAME = {a.key.path[-1]: a for a in (source_parquet, image_shards, video_shards, clip_embeddings,
-                                        reordered_embeddings, image_scores, captions, diffusion_samples, video_diffusion_samples,
+                                        reordered_embeddings, image_scores, captions, training_text, diffusion_samples, video_diffusion_samples,
                                         takedowns, duplicates, sample_selection, balanced_shards, wdinfo, precached_encodings,
                                         image_energon_index, diffusion_energon_index, dataset_report)}
 # in the records' order (shardprep.artifacts): a record without its asset fails here, at import
@@ -40,4 +41,4 @@ def batched(kind: str) -> list:
 __all__ = ["balanced_shards", "batched", "captions", "clip_embeddings", "dataset_report", "diffusion_energon_index",
            "diffusion_samples", "duplicates", "global_assets", "image_energon_index", "image_scores", "image_shards",
            "per_shard_assets", "precached_encodings", "reordered_embeddings", "sample_selection", "shard_partitions",
-           "source_parquet", "takedowns", "video_diffusion_samples", "video_shards", "wdinfo"]
+           "source_parquet", "takedowns", "training_text", "video_diffusion_samples", "video_shards", "wdinfo"]

@@ -1,11 +1,17 @@
-"""captions: a synthetic caption of every image from a vision-language model (``captioner``), kept beside
-the sample's original caption."""
+"""captions: a synthetic caption of every image from a vision-language model (``captioner``), and of every
+video clip from a strip of its frames, kept beside the sample's original caption."""
+
+import io
 
 import dagster as dg
 
 from shardprep.curation.captions import write_captions
+from shardprep.curation.video_captions import unsupported_reason
+from shardprep.ledger import shard_media
 from shardprep.models.captioner import load_captioner
 from shardprep.storage import exists, read_parquet
+from shardprep.tars import read_samples_by_key
+from shardprep.video.strips import VIDEO_EXTS, frame_strip
 from shardprep_dagster.assets.scores import histogram_markdown
 from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
@@ -40,16 +46,36 @@ def length_histograms(rows: list[dict]) -> dict[str, str]:
     return out
 
 
-def sheet_metadata(layout, key: str, rows: list[dict], n: int = SHEET_IMAGES) -> dict:
-    """The shard's first ``n`` captioned images as an inline contact sheet, each with its synthetic and its
-    original caption under it."""
+def _clip_samples(tar_url: str, shown: dict) -> list[tuple[str, bytes, tuple]]:
+    """(key, PNG of the clip's middle frame, captions) of the clips named in ``shown``."""
+    found, out = read_samples_by_key(tar_url, set(shown)), []
+    for k, captions in shown.items():
+        members = found.get(k, {})
+        data = next((members[e] for e in VIDEO_EXTS if e in members), None)
+        if data is None:
+            continue
+        try:
+            buf = io.BytesIO()
+            frame_strip(data, 1)[0].save(buf, "PNG")
+            out.append((k, buf.getvalue(), captions))
+        except Exception:  # noqa: BLE001 - a preview leaves out a clip it cannot decode
+            continue
+    return out
+
+
+def sheet_metadata(layout, key: str, rows: list[dict], n: int = SHEET_IMAGES, media: str = "image") -> dict:
+    """The shard's first ``n`` captioned images (a video shard: clips, by their middle frame) as an inline
+    contact sheet, each with its synthetic and its original caption under it."""
     from shardprep.report.contact_sheet import ContactSheetError, inline_image, render_sheet, samples_of
 
     shown = {r["key"]: (f"VLM: {r['caption']}", f"src: {r['original_caption'] or ''}")
              for r in rows if r["caption"] is not None}
     shown = dict(list(shown.items())[:n])
     try:
-        samples = samples_of(layout.tar(key), shown)
+        if media == "video":
+            samples = _clip_samples(layout.video_tar(key), shown) if shown else []
+        else:
+            samples = samples_of(layout.tar(key), shown)
         if not samples:
             return {}
         uri, _ = inline_image(render_sheet(samples, thumb=128, lines=4))  # two lines per caption
@@ -67,7 +93,9 @@ def captions(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset:
     """``<root>/captions/{shard}.parquet``: a row per sample of the shard's tar, in tar order: ``key``,
     ``caption`` (the ``captioner`` model's, greedy, at most ``caption_max_new_tokens`` tokens, from
     ``caption_prompt`` when set), ``original_caption`` (the sample's .txt), ``model``, ``prompt`` and
-    ``skip_reason`` (an image that cannot be decoded: no caption, the row kept). In the graph only when
+    ``skip_reason`` (an image that cannot be decoded: no caption, the row kept). A video shard: a row per
+    clip of its video tar, captioned from ``caption_video_frames`` frames by a chat VLM (a one-image
+    model such as BLIP leaves every clip uncaptioned, its skip_reason says why). In the graph only when
     ``captioner`` is set."""
     cfg, layout = dataset.config, dataset.layout
     described = {"model": cfg.captioner or "", "prompt": cfg.caption_prompt or "(none)"}
@@ -75,22 +103,28 @@ def captions(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset:
     # the model is loaded (and a device leased) at the first shard that has images to caption
     with gpu_device_when_needed(context, dataset) as device:
         def caption(key: str) -> dict:
-            if not exists(layout.tar(key)):
-                write_captions(key, layout, None)  # removes a stale file
-                return {"status": "no samples (shard has no tar)", "samples": 0, **described}
+            media = shard_media(layout, [key])[key]
+            if not exists(layout.video_tar(key) if media == "video" else layout.tar(key)):
+                write_captions(key, layout, None, media=media)  # removes a stale file
+                return {"status": f"no samples (shard has no {'video ' if media == 'video' else ''}tar)",
+                        "samples": 0, **described}
             captioner = load_captioner(cfg.captioner, device().torch_device)
             report = write_captions(key, layout, captioner, batch_size=cfg.caption_batch_size,
                                     prompt=cfg.caption_prompt, max_new_tokens=cfg.caption_max_new_tokens,
-                                    threads=cfg.decode_threads)
-            meta: dict = {"status": "written", "samples": report.samples, "captioned": report.captioned,
-                          "skipped": len(report.skipped), "seconds": round(report.seconds, 3),
+                                    threads=cfg.decode_threads, media=media, video_frames=cfg.caption_video_frames)
+            status = "written"
+            if media == "video" and not captioner.multi_image:
+                status = f"written, video captions unsupported ({unsupported_reason(captioner)})"
+            meta: dict = {"status": status, "media": media, "samples": report.samples,
+                          "captioned": report.captioned, "skipped": len(report.skipped),
+                          "seconds": round(report.seconds, 3),
                           "path": dg.MetadataValue.path(layout.captions(key)), "dagster/row_count": report.samples,
                           "device": device().name, **described}
             if report.skipped:
                 meta["skipped_samples"] = dg.MetadataValue.json(report.skipped[:20])
             rows = read_parquet(layout.captions(key)).to_pylist()
             meta.update({k: dg.MetadataValue.md(v) for k, v in length_histograms(rows).items()})
-            meta.update(sheet_metadata(layout, key, rows))
+            meta.update(sheet_metadata(layout, key, rows, media=media))
             return meta
 
         return materialize_shards(context, dataset, "captions", caption, rebuild=config.rebuild,

@@ -35,13 +35,15 @@ def diffusion_samples(context: dg.AssetExecutionContext, config: ShardRunConfig,
         r = write_diffusion_samples(key, layout, nemo.t5(device.torch_device),
                                     nemo.diffusion_autoencoder(device.torch_device),
                                     resolution=cfg.diffusion_resolution, batch_size=cfg.nemo_batch_size,
-                                    scores=read_scores(layout, key, ["aesthetic_score"]))
+                                    scores=read_scores(layout, key, ["aesthetic_score"]),
+                                    synthetic_text=cfg.synthetic_text, reuse_latents=not config.rebuild)
         reasons: dict[str, int] = {}
         for f in r.failures:
             reasons[f["reason"]] = reasons.get(f["reason"], 0) + 1
         return {"status": "written", "samples": r.samples, "failures": len(r.failures),
                 "failures_by_reason": dg.MetadataValue.json(reasons), "latent_shape": str(r.latent_shape),
-                "text_dim": r.text_dim or 0, "bytes": r.tar_bytes, "seconds": round(r.seconds, 3)}
+                "text_dim": r.text_dim or 0, "latents_reused": r.latents_reused, "bytes": r.tar_bytes,
+                "seconds": round(r.seconds, 3)}
 
     with gpu_device(context, dataset) as device:
         result = materialize_shards(context, dataset, "diffusion_samples", encode, rebuild=config.rebuild)

@@ -1,6 +1,7 @@
 """clip_embeddings (clip-retrieval layout) and reordered_embeddings (one npy per tar for DALLE2)."""
 
 import os
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -8,8 +9,10 @@ from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep.embeddings import write_clip_embeddings
 from shardprep.ledger import load_ledger
 from shardprep.models import clip as clip_models
+from shardprep.pixels import PixelPass
 from shardprep.reorder import reorder_embeddings
 from shardprep.storage import exists
+from shardprep_dagster.assets.pixels import Sharing
 from shardprep_dagster.assets.shard_runs import (
     SHARD_AUTOMATION,
     ShardRunConfig,
@@ -26,17 +29,24 @@ def _with_text(cfg) -> bool:
     return cfg.enable_text and cfg.caption_col is not None
 
 
-def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str) -> dict:
+def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str,
+                pixels: Callable[[str], PixelPass | None] | None = None) -> dict:
     """clip_embeddings' work on one shard with a loaded ``encoder`` on ``device`` (also run by
-    ``assets.follow``)."""
+    ``assets.follow``). ``pixels(shard)``: the run's other pixel models to feed from the same decode of
+    the images (``assets.pixels.Sharing.pass_for``); their time is in this shard's ``seconds``."""
     if not exists(layout.tar(key)):
         return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
+    shared = pixels(key) if pixels is not None else None
     report = write_clip_embeddings(key, layout, encoder, batch_size=clip.effective_batch_size,
-                                   enable_text=_with_text(cfg))
-    return {"status": "written", "model": clip.spec, "device": device, "samples": report.samples, "dim": report.dim,
+                                   enable_text=_with_text(cfg), pixels=shared)
+    meta = {"status": "written", "model": clip.spec, "device": device, "samples": report.samples, "dim": report.dim,
             "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
             "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
             "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
+    if shared is not None:
+        meta["decode_shared_with"] = ", ".join(
+            name for name, model in (("image_scores", shared.detector), ("captions", shared.captioner)) if model)
+    return meta
 
 
 @dg.asset(
@@ -55,13 +65,18 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
     # the device is leased at the first shard to embed: shards embedded following their download
     # (assets.follow) need none, and a step left nothing to do never waits for a busy GPU
     with gpu_device_when_needed(context, dataset) as device:
+        # the run's captions and watermark scores made from the same decode of each image (assets.pixels)
+        sharing = Sharing(context, dataset, device)
+
         def embed(key: str) -> dict:
-            return embed_shard(layout, cfg, clip, clip.encoder(device().torch_device), key, device().name)
+            return embed_shard(layout, cfg, clip, clip.encoder(device().torch_device), key, device().name,
+                               pixels=sharing.pass_for if sharing else None)
 
         result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
                                     describe=lambda key: {"model": clip.spec},
                                     check=("rows_match_samples",
-                                           lambda key: check_clip_embeddings(layout, key, _with_text(cfg))))
+                                           lambda key: check_clip_embeddings(layout, key, _with_text(cfg))),
+                                    on_done=sharing.finish if sharing else None)
         leased = device(lease=False)
     name = leased.name if leased else "(none: every shard was embedded following its download)"
     # models loaded by this process so far: a batched backfill loads once per run, not once per shard

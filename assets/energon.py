@@ -40,7 +40,8 @@ def _covers_spec(asset: str) -> dg.AssetCheckSpec:
 )
 def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResource) -> dg.MaterializeResult:
     """``<root>/images/.nv-meta/``: a Megatron-Energon dataset over the image shard tars (``CaptioningSample``:
-    image = the image member, caption = ``txt``), readable by energon 7 and NeMo's pinned 5.2.
+    image = the image member, caption = ``txt``, or with synthetic captions (``train_caption``) the json's
+    ``train_caption``), readable by energon 7 and NeMo's pinned 5.2.
     Only tars not indexed before are scanned."""
     cfg, layout = dataset.config, dataset.layout
     if not exists(layout.images_dir) or not find_tars(layout.images_dir):
@@ -48,8 +49,11 @@ def image_energon_index(context: dg.AssetExecutionContext, dataset: DatasetResou
             metadata={"status": "no image tars yet"},
             check_results=[_covers_every_tar(layout.images_dir, None)]))
     tars = find_tars(layout.images_dir)
+    # with synthetic captions the caption is the json's train_caption (shardprep.training_text), in
+    # energon's own field access syntax: json[train_caption], else the .txt
+    caption = "json[train_caption],txt" if cfg.synthetic_text else "txt"
     report = update_energon_index(layout.images_dir, sample_type="captioning",
-                                  field_map={"image": cfg.encode_format, "caption": "txt"},
+                                  field_map={"image": cfg.encode_format, "caption": caption},
                                   split_ratio=cfg.energon_split_ratio, tars=tars,
                                   exclude=energon_excludes(layout, tars))
     return versioned(dataset, "image_energon_index", dg.MaterializeResult(

@@ -9,6 +9,10 @@ shard k+1 overlaps embedding shard k. The clip step then runs as always: it find
 and reports them with the figures the follower recorded (``shard_runs.FOLLOWED``), runs its check and
 materializes its partitions, so each artifact is still its own asset, step, check and materialization.
 
+When the run also materializes ``captions`` and ``image_scores``' watermark column, the follower feeds
+their models from its decode of the images and writes them too, under their own protocol
+(``assets.pixels``): one decode per image in the run.
+
 The follower only embeds a shard whose tar passes ``image_shards``' blocking check, holds the device
 lease while it works (one GPU step per device, as ever), and gives up quietly when the device is busy
 or a shard fails: what it leaves is done, or reported failed, by the clip step itself. Under the Celery
@@ -26,6 +30,7 @@ import dagster as dg
 
 from shardprep.checks import check_image_shard
 from shardprep.models.devices import lease
+from shardprep_dagster.assets.pixels import SHARED, Sharing
 from shardprep_dagster.assets.shard_runs import DEVICE_TAG, FOLLOWED, rebuilding, write_one
 from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
@@ -52,7 +57,7 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
 
     # figures an earlier run of this process left (its clip step never ran: the download step failed) are
     # not this run's
-    for stale in [k for k in FOLLOWED if k[0] == FOLLOWER]:
+    for stale in [k for k in FOLLOWED if k[0] in (FOLLOWER, *SHARED)]:
         del FOLLOWED[stale]
     layout, version = dataset.layout, dataset.versions[FOLLOWER]
     rebuild = rebuilding(context, rebuild)
@@ -65,14 +70,18 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
                 # the run shows which device embedded its shards, as a GPU step's lease does
                 context.instance.add_run_tags(context.run.run_id, {f"{DEVICE_TAG}/{FOLLOWER}": device.name})
                 encoder = clip.encoder(device.torch_device)
+                # the run's captions and watermark scores from the same decode of each image (assets.pixels)
+                sharing = Sharing(context, dataset, lambda: device)
                 while (key := todo.get()) is not None:
                     if not check_image_shard(layout, key).passed:
                         continue  # the blocking check fails: the clip step will not run on it either
                     result = write_one(layout, FOLLOWER, version, key,
-                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k, device.name),
+                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k, device.name,
+                                                             pixels=sharing.pass_for if sharing else None),
                                        rebuild=rebuild)
                     if result["status"] != "cached":
                         FOLLOWED[(FOLLOWER, key, version)] = {**result, "embedded": "following the download"}
+                    sharing.finish(key)
         except Exception as e:  # noqa: BLE001 - its own step does (or reports) what is left
             context.log.warning(f"{FOLLOWER} stopped following the download ({type(e).__name__}: {e}); "
                                 "its own step does the remaining shards")

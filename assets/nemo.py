@@ -42,14 +42,16 @@ def balanced_shards(context: dg.AssetExecutionContext, config: BalancedConfig,
     """``<root>/balanced/{n}.tar``: tars of exactly ``tar_chunk_size`` successful samples (NeMo's
     reorganize_tar). New image shards fill them in shard order; a shard made again (reshard) has its
     changed samples replaced and its gone samples removed, only in the tars that hold them; the short
-    last tar carries an ``.INCOMPLETE`` marker until it fills."""
+    last tar carries an ``.INCOMPLETE`` marker until it fills. With synthetic captions (``train_caption``)
+    each sample's .txt is the caption it trains with."""
     cfg, layout, version = dataset.config, dataset.layout, dataset.versions["balanced_shards"]
     selecting = bool(active_rules(cfg))
     with lock(layout.root, "balanced_shards"):  # one update at a time, whoever launched it
         rebuilt = _start_over_if_outdated(layout, layout.balanced_dir, "balanced_shards", version)
-        sources = source_identities(layout, dataset.versions, selecting)
+        sources = source_identities(layout, dataset.versions, selecting, training_text=cfg.synthetic_text)
         r = update_balanced_shards(layout, sources, chunk_size=cfg.tar_chunk_size, final=config.final,
-                                   selected=(lambda shard: selected_keys(layout, shard)) if selecting else None)
+                                   selected=(lambda shard: selected_keys(layout, shard)) if selecting else None,
+                                   training_text=cfg.synthetic_text)
         write_stamp(layout, "balanced_shards", version)
     if r.rebuilt:
         context.log.warning(f"balanced tars written again from the shards: {r.rebuilt}")

@@ -66,11 +66,7 @@ def image_scores(context: dg.AssetExecutionContext, config: ShardRunConfig,
     columns are also joined into clip-retrieval's metadata parquet. No model configured: no file, status
     "no score model configured"."""
     cfg, layout = dataset.config, dataset.layout
-    heads = {name: load_head(spec) for name, spec in (("aesthetic", cfg.aesthetic_model),
-                                                       ("nsfw", cfg.nsfw_model)) if spec is not None}
-    models = {f"{n}_model": h.path for n, h in heads.items()}
-    if cfg.watermark_model is not None:
-        models["watermark_model"] = cfg.watermark_model
+    heads, models = score_models(cfg)
 
     # the heads are a few float32 matrix products per shard, done with numpy on the CPU; the watermark
     # detector (an EfficientNet-B3 on every image) runs on a device leased at the first shard it scores
@@ -85,26 +81,45 @@ def image_scores(context: dg.AssetExecutionContext, config: ShardRunConfig,
             if cfg.watermark_model is not None:  # before the lock: minutes on a CPU
                 detector = load_watermark_model(cfg.watermark_model, device().torch_device)
                 watermark = score_watermarks(layout.tar(key), detector, batch_size=cfg.batch_size)
-            # the metadata parquet is clip_embeddings' file: rewritten under its lock, its stamp's size kept true
-            same = lock_name("clip_embeddings", key) == lock_name("image_scores", key)
-            with contextlib.nullcontext() if same else lock(layout.root, lock_name("clip_embeddings", key)):
-                report = write_image_scores(key, layout, heads, watermark)
-                restamp_sizes(layout, "clip_embeddings", key, file_sizes([layout.emb_metadata(key)]))
-            meta: dict = {"status": "written", "samples": report.samples, "seconds": round(report.seconds, 3),
-                          "path": dg.MetadataValue.path(layout.scores(key)), "dagster/row_count": report.samples,
-                          **models}
-            for col, stats in report.stats.items():
-                meta.update({f"{col}_{k}": round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
-            for col, (counts, edges) in report.histograms.items():
-                meta[f"{col}_histogram"] = dg.MetadataValue.md(histogram_markdown(counts, edges))
-            if "aesthetic" in heads:
-                meta.update(extremes_metadata(layout, key))
-            if watermark is not None:
-                meta["watermark_device"] = device().name
-                meta["watermark_skipped"] = len(watermark.skipped)  # images the detector could not decode
-                meta.update(extremes_metadata(layout, key, column="pwatermark",
-                                              sheets=(("top_by_pwatermark", True),)))
-            return meta
+            return score_shard(layout, key, heads, models, watermark,
+                               None if watermark is None else device().name)
 
         return materialize_shards(context, dataset, "image_scores", score, rebuild=config.rebuild,
                                   describe=lambda key: models)
+
+
+def score_models(cfg) -> tuple[dict, dict]:
+    """(the configured score heads by name, the ``*_model`` metadata naming every score model)."""
+    heads = {name: load_head(spec) for name, spec in (("aesthetic", cfg.aesthetic_model),
+                                                       ("nsfw", cfg.nsfw_model)) if spec is not None}
+    models = {f"{n}_model": h.path for n, h in heads.items()}
+    if cfg.watermark_model is not None:
+        models["watermark_model"] = cfg.watermark_model
+    return heads, models
+
+
+def score_shard(layout, key: str, heads: dict, models: dict, watermark, device_name: str | None) -> dict:
+    """image_scores' work on an embedded shard once its watermark scores are known (``watermark``: None
+    without a detector; scored on ``device_name``); also run by ``assets.pixels`` with the scores made
+    from the clip step's decode of the images."""
+    if not exists(layout.img_emb(key)):
+        return {"status": "no samples (shard has no embeddings)", "samples": 0, **models}
+    # the metadata parquet is clip_embeddings' file: rewritten under its lock, its stamp's size kept true
+    same = lock_name("clip_embeddings", key) == lock_name("image_scores", key)
+    with contextlib.nullcontext() if same else lock(layout.root, lock_name("clip_embeddings", key)):
+        report = write_image_scores(key, layout, heads, watermark)
+        restamp_sizes(layout, "clip_embeddings", key, file_sizes([layout.emb_metadata(key)]))
+    meta: dict = {"status": "written", "samples": report.samples, "seconds": round(report.seconds, 3),
+                  "path": dg.MetadataValue.path(layout.scores(key)), "dagster/row_count": report.samples,
+                  **models}
+    for col, stats in report.stats.items():
+        meta.update({f"{col}_{k}": round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
+    for col, (counts, edges) in report.histograms.items():
+        meta[f"{col}_histogram"] = dg.MetadataValue.md(histogram_markdown(counts, edges))
+    if "aesthetic" in heads:
+        meta.update(extremes_metadata(layout, key))
+    if watermark is not None:
+        meta["watermark_device"] = device_name
+        meta["watermark_skipped"] = len(watermark.skipped)  # images the detector could not decode
+        meta.update(extremes_metadata(layout, key, column="pwatermark", sheets=(("top_by_pwatermark", True),)))
+    return meta

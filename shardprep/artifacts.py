@@ -83,15 +83,27 @@ _RECORDS = (
     Artifact("image_scores", SHARD, "curation", parents=("clip_embeddings",),
              fields=("aesthetic_model", "nsfw_model", "watermark_model"),
              media="image", outputs=("scores",), pool="gpu", batch="gpu", verify="check_image_scores"),
-    # a VLM's caption of every image of the shard's tar, beside its original caption
-    Artifact("captions", SHARD, "curation", parents=("image_shards",),
-             fields=("captioner", "caption_prompt", "caption_max_new_tokens"), media="image", outputs=("captions",),
-             pool="gpu", batch="gpu", enabled_by="captioner", verify="check_captions"),
+    # a VLM's caption of every image of the shard's tar (every clip of a video shard's, from a frame strip),
+    # beside its original caption. One version for both media: in a dataset of both, a video setting makes
+    # the image shards' captions stale too; a dataset of one media does not follow the other's settings
+    Artifact("captions", SHARD, "curation", parents=("image_shards", "video_shards"),
+             fields=("captioner", "caption_prompt", "caption_max_new_tokens", "caption_video_frames"),
+             reads_only_when={"image_shards": ("source",), "video_shards": ("video_source",)},
+             outputs=("captions",), pool="gpu", batch="gpu", enabled_by="captioner", verify="check_captions"),
+    # the caption each sample trains with (train_caption: synthetic or both), written into the image tar's
+    # json (train_caption, synthetic_caption) where every training output reads it; off with train_caption:
+    # original, and then no artifact reads it (a parent the config turns off is in no graph nor version)
+    # The DALLE2 prior's text (clip-retrieval metadata and CLIP text embeddings of the training caption, row
+    # for row with the image embeddings) is made here too: a new choice redoes the text, never the images
+    Artifact("training_text", SHARD, "curation", parents=("image_shards", "clip_embeddings", "captions"),
+             fields=("train_caption",), media="image",
+             outputs=("training_text", "train_text_metadata", "train_text_emb"), pool="gpu", batch="gpu",
+             enabled_by="synthetic_text", verify="check_training_text"),
     # the json's aesthetic_score is read from image_scores' files when an aesthetic head is configured;
     # what it depends on is the embeddings and that head (a new NSFW head changes no diffusion sample)
-    Artifact("diffusion_samples", SHARD, "nemo_diffusion", parents=("image_shards", "image_scores"),
+    Artifact("diffusion_samples", SHARD, "nemo_diffusion", parents=("image_shards", "image_scores", "training_text"),
              fields=("diffusion_t5_model", "diffusion_autoencoder", "diffusion_resolution", "aesthetic_model"),
-             version_from=("image_shards", "clip_embeddings"),
+             version_from=("image_shards", "clip_embeddings", "training_text"),
              reads_only_when={"clip_embeddings": ("aesthetic_model",)}, media="image",
              outputs=("diffusion_tar",), pool="gpu", batch="gpu", enabled_by="enable_nemo_diffusion",
              verify="check_diffusion_samples"),
@@ -103,7 +115,8 @@ _RECORDS = (
     # whose files it rewrites, before every global one that holds samples; those read it for ordering
     # only (their versions do not follow it: a takedown changes shards, which they take like any change)
     Artifact("takedowns", GLOBAL, "governance",
-             parents=("image_shards", "video_shards", "clip_embeddings", "reordered_embeddings", "image_scores"),
+             parents=("image_shards", "video_shards", "clip_embeddings", "reordered_embeddings", "image_scores",
+                      "captions", "training_text"),
              fields=("takedown_lists",), version_from=(), verify="check_takedowns"),
     Artifact("duplicates", GLOBAL, "curation", parents=("image_shards", "clip_embeddings", "takedowns"),
              fields=("dedup", "dedup_threshold"), version_from=("image_shards", "clip_embeddings"),
@@ -112,22 +125,23 @@ _RECORDS = (
              parents=("image_shards", "image_scores", "duplicates", "takedowns"), fields=_SELECTION_RULES,
              version_from=("image_shards", "image_scores", "duplicates"), reads_only_when={"image_scores": ("aesthetic_min", "nsfw_max", "watermark_max"),
                                                        "duplicates": ("dedup",)}, verify="check_sample_selection"),
-    Artifact("balanced_shards", GLOBAL, "nemo_text2img", parents=("image_shards", "sample_selection"),
+    Artifact("balanced_shards", GLOBAL, "nemo_text2img", parents=("image_shards", "sample_selection", "training_text"),
              fields=("tar_chunk_size",), enabled_by="enable_nemo_text2img", verify="check_balanced_shards"),
     Artifact("wdinfo", GLOBAL, "nemo_text2img", parents=("balanced_shards",), enabled_by="enable_nemo_text2img",
              verify="check_wdinfo"),
     Artifact("precached_encodings", GLOBAL, "nemo_text2img", parents=("balanced_shards",),
              fields=("precache_resolution", "precache_keep_original", "sd_autoencoder", "sd_clip_text_model"),
              pool="gpu", enabled_by="enable_nemo_text2img", verify="check_precached_encodings"),
-    Artifact("image_energon_index", GLOBAL, "energon", parents=("image_shards", "sample_selection", "takedowns"),
-             fields=("energon_split_ratio",), version_from=("image_shards", "sample_selection"), verify="check_image_energon_index"),
+    Artifact("image_energon_index", GLOBAL, "energon",
+             parents=("image_shards", "sample_selection", "training_text", "takedowns"),
+             fields=("energon_split_ratio",), version_from=("image_shards", "sample_selection", "training_text"), verify="check_image_energon_index"),
     Artifact("diffusion_energon_index", GLOBAL, "energon",
              parents=("diffusion_samples", "video_diffusion_samples", "sample_selection", "takedowns"),
              fields=("energon_split_ratio",), enabled_by="enable_nemo_diffusion",
              version_from=("diffusion_samples", "video_diffusion_samples", "sample_selection"),
              verify="check_diffusion_energon_index"),
     Artifact("dataset_report", GLOBAL, "reports",
-             parents=("image_shards", "video_shards", "clip_embeddings", "image_scores", "duplicates",
+             parents=("image_shards", "video_shards", "clip_embeddings", "image_scores", "captions", "duplicates",
                       "sample_selection", "takedowns"),
              # the report is written anew each time: duplicates add nothing its version must follow
              version_from=("image_shards", "video_shards", "clip_embeddings", "image_scores", "sample_selection"),
@@ -152,3 +166,9 @@ def enabled(name: str, cfg) -> bool:
     """Whether the config turns artifact ``name`` on."""
     flag = ARTIFACTS[name].enabled_by
     return flag is None or bool(getattr(cfg, flag))
+
+
+def enabled_parents(name: str, cfg) -> tuple[str, ...]:
+    """``name``'s parents that the config turns on: a parent turned off is not read, so it is neither a
+    dependency in the asset graph nor part of the version."""
+    return tuple(p for p in ARTIFACTS[name].parents if enabled(p, cfg))

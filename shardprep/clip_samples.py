@@ -5,7 +5,7 @@ threads of ``shardprep.embeddings`` and by the worker processes of ``shardprep.p
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from shardprep.errors import ShardprepError
 
@@ -24,11 +24,14 @@ def image_ext(sample: dict) -> str | None:
     return next((e for e in IMAGE_EXTS if e in sample), None)
 
 
-def prepare_sample(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, out=None) -> dict:
+def prepare_sample(sample: dict, encoder: "ClipEncoder", enable_text: bool, url: str, out=None,
+                   image_of: Callable[[bytes, Any], Any] | None = None) -> dict:
     """Decode + preprocess + tokenise one sample (runs in a worker thread); errors become a skip record
     ``{"key", "reason"}``.
 
-    ``out``: the sample's row of the batch's image buffer (fast preprocessing writes there)."""
+    ``out``: the sample's row of the batch's image buffer (fast preprocessing writes there).
+    ``image_of(data, out)``: what ``encoder.prepare_image`` returns, made otherwise (``shardprep.pixels``:
+    from the one decode every pixel model of the run shares); its errors are skips all the same."""
     key = sample["__key__"]
     ext = image_ext(sample)
     if ext is None:
@@ -40,7 +43,7 @@ def prepare_sample(sample: dict, encoder: "ClipEncoder", enable_text: bool, url:
     except UnicodeDecodeError as e:
         return {"key": key, "reason": f"caption is not UTF-8: {e}"}
     try:
-        image = encoder.prepare_image(sample[ext], out)
+        image = (image_of or encoder.prepare_image)(sample[ext], out)
     except Exception as e:  # a bad image is a recorded skip, never a crash (clip-retrieval skips too)
         return {"key": key, "reason": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
     raw_meta = sample.get("json", b"{}").decode("utf-8")

@@ -163,6 +163,14 @@ class DatasetConfig(BaseModel):
     caption_prompt: Text | None = Field(None, description="a non-empty prompt, or null (unconditional)")
     caption_max_new_tokens: PositiveInt = 30
     caption_batch_size: PositiveInt = 16
+    # video shards: a clip is captioned from this many frames evenly spaced over it (shardprep/video/strips.py),
+    # the images of one user turn (chat VLMs only: a one-image model leaves video clips uncaptioned)
+    caption_video_frames: PositiveInt = 4
+    # the text the training outputs use (shardprep/training_text.py): the .txt of balanced tars, the caption
+    # of the image energon dataset, the NeMo diffusion samples' T5 states, the DALLE2 prior's text.
+    # original: the source's caption; synthetic: the captioner's (the original where it has none); both:
+    # half the samples each, chosen by key (SD3's 50/50 recipe), the same choice on every run
+    train_caption: Literal["original", "synthetic", "both"] = Field("original", description="original, synthetic or both")
     # duplicates across every image shard (shardprep/curation/dedup.py): exact (same sha256 of the downloaded bytes)
     # and near (cosine of the CLIP image embeddings >= dedup_threshold; clip-retrieval's query-time dedup
     # uses 0.94), the first arrival kept
@@ -267,6 +275,11 @@ class DatasetConfig(BaseModel):
 
         return oom_sample_per_shard(self.samples_per_shard)
 
+    @property
+    def synthetic_text(self) -> bool:
+        """The training outputs take (some of) their text from the synthetic captions (``training_text``)."""
+        return self.train_caption != "original"
+
     def to_dict(self) -> dict[str, Any]:
         d = self.model_dump()
         d["save_additional_columns"] = list(self.save_additional_columns)
@@ -337,6 +350,9 @@ def config_from_dict(raw: dict[str, Any], origin: str = "<dict>") -> DatasetConf
         cfg = DatasetConfig(**raw)
     except ConfigError as e:  # every line names the file
         raise ConfigError("\n".join(f"{origin}: {line}" for line in str(e).splitlines())) from None
+    if cfg.train_caption != "original" and cfg.captioner is None:
+        raise ConfigError(f"{origin}: config field 'train_caption': {cfg.train_caption!r} needs 'captioner' (the model "
+                          "that writes the synthetic captions); set one, or train_caption: original")
     if cfg.source is None and cfg.video_source is None:
         raise ConfigError(f"{origin}: config fields 'source' (image rows) and 'video_source' (video rows) are "
                           "both null; set one or both")

@@ -33,6 +33,7 @@ from shardprep.tars import iter_samples
 
 if TYPE_CHECKING:
     from shardprep.models.clip import ClipEncoder
+    from shardprep.pixels import PixelPass
 
 _CHUNK = 16  # samples per pool task: amortises the future overhead, still spreads over threads
 
@@ -114,14 +115,18 @@ def _torch_threads(n: int):
 
 
 def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", batch_size: int = 256,
-                          enable_text: bool = True, prepare_processes: int | None = None) -> EmbeddingReport:
+                          enable_text: bool = True, prepare_processes: int | None = None,
+                          pixels: "PixelPass | None" = None) -> EmbeddingReport:
     """Embed every sample of ``layout.tar(shard)`` with ``encoder`` and write the
     clip-retrieval files for that shard. A missing or sample-less tar writes nothing (and removes
     stale outputs), like clip-retrieval, whose writer skips empty partitions.
 
     ``prepare_processes``: worker processes that prepare the samples (0: threads); by default
     ``SHARDPREP_PREPARE_PROCESSES`` or the cores minus 2 with a GPU, threads on CPU
-    (``prepare_pool.processes_for``). The embeddings are the same either way."""
+    (``prepare_pool.processes_for``). The embeddings are the same either way.
+
+    ``pixels``: the run's other pixel models, fed from the same decode of each image (``shardprep.pixels``);
+    then the samples are prepared in threads (the decoded images stay in this process for those models)."""
     positive_int("batch_size", batch_size)
     start = time.perf_counter()
     tar_url = layout.tar(shard)
@@ -152,7 +157,11 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
 
     def prepare(sample: dict, n: int, slot: int) -> dict:
         buffer = buffers[n % 2]
-        item = prepare_sample(sample, encoder, enable_text, tar_url, None if buffer is None else buffer[slot])
+        row = None if buffer is None else buffer[slot]
+        if pixels is not None:
+            item = pixels.prepare(sample, n, slot, encoder, enable_text, tar_url, row)
+        else:
+            item = prepare_sample(sample, encoder, enable_text, tar_url, row)
         item["slot"] = slot
         return item
 
@@ -176,7 +185,7 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
     # decode+preprocess of the next step runs in worker processes or threads while the model encodes the
     # current one (PIL, OpenCV and torch release the GIL for the heavy parts, the tokenizer does not)
     decode_threads, torch_threads = thread_split(encoder.device)
-    with pool_for(encoder, prepare_processes, enable_text, step) as processes:
+    with pool_for(encoder, 0 if pixels is not None else prepare_processes, enable_text, step) as processes:
         if processes is not None:
             prepared = processes.prepared(steps(), buffers, url=tar_url, shard=shard, failures=report.skipped)
         else:
@@ -186,6 +195,10 @@ def write_clip_embeddings(shard: str, layout: Layout, encoder: "ClipEncoder", ba
             for n, ready in enumerate(prepared):  # a list per step, in order
                 if ready:
                     encode(ready, buffers[n % 2])
+                if pixels is not None:  # its models on the step, while the threads decode the next one
+                    pixels.run(n)
+            if pixels is not None:
+                pixels.flush()
 
     if enable_text and report.skipped and not seen_captions:
         raise ShardReadError(

@@ -93,6 +93,22 @@ class Layout:
     def captions(self, shard: str) -> str:
         return self._join("captions", f"{shard}.parquet")
 
+    # training_text: the caption each sample trains with, when synthetic captions take part (train_caption)
+    @property
+    def training_text_dir(self) -> str:
+        return self._join("training_text")
+
+    def training_text(self, shard: str) -> str:
+        return self._join("training_text", f"{shard}.parquet")
+
+    # ... and for the DALLE2 prior, clip-retrieval's layout over the same rows as the image embeddings:
+    # metadata (image_path, caption = the training caption) and the CLIP text embedding of that caption
+    def train_text_metadata(self, shard: str) -> str:
+        return self._join("training_text", "metadata", f"metadata_{shard}.parquet")
+
+    def train_text_emb(self, shard: str) -> str:
+        return self._join("training_text", "text_emb", f"text_emb_{shard}.npy")
+
     # duplicates: the dedup index and state (shardprep/curation/dedup.py), keep masks per shard
     @property
     def dedup_dir(self) -> str:

@@ -491,3 +491,36 @@ def ustar_header(name: str, size: int, mtime: int) -> bytes:
     return head + b"%06o\0 " % checksum + _TAIL
 
 
+
+
+def rewrite_members(url: str, new_payload: Callable[[str, bytes], bytes | None],
+                    wanted: Callable[[str], bool]) -> int:
+    """Rewrite the plain tar at ``url`` with some members' payloads replaced: for each member whose name
+    ``wanted`` accepts, ``new_payload(name, payload)`` gives its new bytes (None: kept as it is); every
+    other member is copied byte for byte, headers included, and member order is kept. Returns the members
+    replaced; none replaced: nothing written. Published atomically (``storage.atomic_write``)."""
+    headers, _ = read_headers(url)
+    replaced: dict[int, bytes] = {}
+    with storage.open_read(url) as src:
+        for i, h in enumerate(headers):
+            if wanted(h.name):
+                src.seek(h.data_offset)
+                new = new_payload(h.name, src.read(h.size))
+                if new is not None:
+                    replaced[i] = new
+    if not replaced:
+        return 0
+    written, mtime = 0, int(time.time())
+    with storage.open_read(url) as src, storage.atomic_write(url) as out:
+        for i, h in enumerate(headers):
+            if i in replaced:
+                payload = replaced[i]
+                block = ustar_header(h.name, len(payload), mtime) + payload + bytes(-len(payload) % _BLOCK)
+            else:
+                src.seek(h.offset)
+                block = src.read(h.data_offset - h.offset + h.size + (-h.size % _BLOCK))
+            out.write(block)
+            written += len(block)
+        end = written + 2 * _BLOCK
+        out.write(bytes(2 * _BLOCK + (-end % _RECORD)))
+    return len(replaced)

@@ -222,11 +222,14 @@ def verify_image_scores(layout: Layout, shard: str, scored: bool) -> Findings:
 
 
 def verify_captions(layout: Layout, shard: str, read_tar: bool = True) -> Findings:
-    """A shard with a tar: its captions parquet, readable, one row per tar sample (``read_tar=False``: only
-    that it is readable); without one: no file."""
+    """A shard with a tar (an image tar, or a video shard's video tar): its captions parquet, readable, one
+    row per tar sample (``read_tar=False``: only that it is readable); without one: no file."""
     f = Findings()
     url = layout.captions(shard)
-    if not storage.exists(layout.tar(shard)):
+    tar = layout.tar(shard)
+    if not storage.exists(tar):
+        tar = layout.video_tar(shard)  # a shard is of one media: at most one of the two is there
+    if not storage.exists(tar):
         if storage.exists(url):
             f.fail(url, "exists, but the shard has no tar (no sample)")
         return f
@@ -234,9 +237,44 @@ def verify_captions(layout: Layout, shard: str, read_tar: bool = True) -> Findin
     f.facts.update(captioned_rows=n)
     if n is None or not read_tar:
         return f
-    keys = _read(f, layout.tar(shard), sample_keys, "tar")
+    keys = _read(f, tar, sample_keys, "tar")
     if keys is not None and n != len(keys):
         f.fail(url, f"{n} rows, the shard's tar has {len(keys)} samples")
+    return f
+
+
+def verify_training_text(layout: Layout, shard: str, read_tar: bool = True) -> Findings:
+    """A shard with a tar: its training_text parquet, readable; ``read_tar``: a row per tar sample, in tar
+    order, each naming the ``train_caption`` the sample's json holds; without a tar: no file."""
+    import json
+
+    from shardprep.tars import iter_samples
+
+    f = Findings()
+    url = layout.training_text(shard)
+    if not storage.exists(layout.tar(shard)):
+        if storage.exists(url):
+            f.fail(url, "exists, but the shard has no tar (no sample)")
+        return f
+    rows = _read(f, url, lambda u: storage.read_parquet(u, ["key", "train_caption"]).to_pylist(), "training_text parquet")
+    f.facts.update(training_text_rows=None if rows is None else len(rows))
+    if storage.exists(layout.emb_metadata(shard)):  # the DALLE2 prior's text, row for row with the images
+        embedded = _read(f, layout.emb_metadata(shard), parquet_rows, "metadata parquet")
+        prior = _read(f, layout.train_text_metadata(shard), parquet_rows, "prior text metadata")
+        if None not in (embedded, prior) and embedded != prior:
+            f.fail(layout.train_text_metadata(shard), f"{prior} rows, the image embeddings have {embedded}", stale=True)
+        if storage.exists(layout.train_text_emb(shard)):
+            header = _read(f, layout.train_text_emb(shard), npy_header, "npy")
+            if header is not None and embedded is not None and header[0][0] != embedded:
+                f.fail(layout.train_text_emb(shard), f"{header[0][0]} rows, the image embeddings have {embedded}",
+                       stale=True)
+    if rows is None or not read_tar:
+        return f
+    chosen = _read(f, layout.tar(shard), lambda u: [
+        (s["__key__"], json.loads(s["json"]).get("train_caption")) for s in iter_samples(u) if "json" in s], "tar")
+    if chosen is not None and chosen != [(r["key"], r["train_caption"]) for r in rows]:
+        f.fail(url, f"does not match the train_caption of the {len(chosen)} json members of {layout.tar(shard)}",
+               stale=True)
     return f
 
 
@@ -330,7 +368,7 @@ def verify_balanced_shards(layout: Layout, cfg: DatasetConfig | None = None) -> 
     from shardprep.curation.selection import active_rules
     from shardprep.versions import artifact_versions
 
-    now = balanced.source_identities(layout, artifact_versions(cfg), bool(active_rules(cfg)))
+    now = balanced.source_identities(layout, artifact_versions(cfg), bool(active_rules(cfg)), cfg.synthetic_text)
     for shard, entry in state["shards"].items():
         if now.get(shard) != entry["source"]:
             tars = ", ".join(f"{i:05d}.tar" for i in entry.get("tars", [])) or "no tar"
@@ -528,6 +566,10 @@ def check_image_scores(t: Target) -> Findings:
 
 def check_captions(t: Target) -> Findings:
     return verify_captions(t.layout, t.shard, read_tar=t.read_tars)
+
+
+def check_training_text(t: Target) -> Findings:
+    return verify_training_text(t.layout, t.shard, read_tar=t.read_tars)
 
 
 def check_diffusion_samples(t: Target) -> Findings:

@@ -17,7 +17,7 @@ import json
 import time
 
 from shardprep import state
-from shardprep.artifacts import ARTIFACTS
+from shardprep.artifacts import ARTIFACTS, enabled
 from shardprep.config import DatasetConfig
 from shardprep.layout import Layout
 from shardprep.storage import exists, read_text, remove, write_bytes
@@ -33,8 +33,10 @@ def artifact_versions(cfg: DatasetConfig) -> dict[str, str]:
     def version(name: str) -> str:
         if name not in versions:
             record = ARTIFACTS[name]
-            parents = tuple(p for p in record.version_parents if p not in record.reads_only_when
-                            or any(values[f] not in (None, False) for f in record.reads_only_when[p]))
+            # a parent the config turns off (training_text without synthetic captions) is not read
+            parents = tuple(p for p in record.version_parents if enabled(p, cfg) and (
+                p not in record.reads_only_when
+                or any(values[f] not in (None, False) for f in record.reads_only_when[p])))
             doc = {"code": record.revision, "fields": {f: values[f] for f in record.fields},
                    "from": {p: version(p) for p in parents}}
             digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()

@@ -9,7 +9,7 @@ import pytest
 
 from shardprep import verify
 from shardprep.artifacts import ARTIFACTS, GLOBALS, PER_SHARD
-from shardprep.config import config_from_dict
+from shardprep.config import DatasetConfig, config_from_dict
 from shardprep.layout import Layout
 
 
@@ -46,7 +46,9 @@ def test_records_come_in_dependency_order_and_name_real_things():
     for i, (name, record) in enumerate(ARTIFACTS.items()):
         for parent in (*record.parents, *record.version_parents, *record.reads_only_when):
             assert parent in names[:i], f"{name} comes before its parent {parent}"
-        assert set(record.fields) <= fields and (record.enabled_by is None or record.enabled_by in fields), name
+        switch = record.enabled_by  # a config field, or a property of the config derived from them
+        assert set(record.fields) <= fields and (switch is None or switch in fields or isinstance(
+            getattr(DatasetConfig, switch, None), property)), name
         assert {f for fs in record.reads_only_when.values() for f in fs} <= fields, name
         assert callable(getattr(verify, record.verify, None)), f"{name}: no check {record.verify!r}"
         assert bool(record.outputs) == record.partitioned, name

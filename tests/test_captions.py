@@ -1,8 +1,9 @@
 """Synthetic captions (``captions``): a VLM loaded through transformers' auto classes captions exactly as
-transformers itself does (a tiny random-weight BLIP here), a prompt BLIP echoes is stripped, a bad image
-is a recorded skip; through Dagster, ``captioner`` puts the asset in the graph, every image shard gets a
-row per tar sample, new shards alone are captioned on the next run, and a caption setting redoes the
-captions and nothing upstream."""
+transformers itself does (tiny random-weight BLIP and Qwen2-VL here: batches of a chat VLM left-padded),
+a prompt BLIP echoes is stripped, a bad image is a recorded skip; through Dagster, ``captioner`` puts the
+asset in the graph, every image shard gets a row per tar sample, new shards alone are captioned on the
+next run, and a caption setting redoes the captions and nothing upstream. Video shards: a clip is
+captioned from a strip of evenly spaced frames in one user turn (a one-image model records why not)."""
 
 import io
 import os
@@ -206,3 +207,240 @@ def test_pipeline_captions_new_shards_only_and_redoes_them_on_a_caption_setting(
         rows = pq.read_table(layout.captions("00002")).to_pylist()
         assert gone not in {r["key"] for r in rows} and len(rows) == len(sample_keys(layout.tar("00002")))
         assert verify_shard(layout, cfg, "captions", "00002").ok
+
+
+# -- chat VLMs (a tiny random-weight Qwen2-VL), and video clips from a frame strip -----------------------
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> str:
+    from tests.fixtures.tiny_qwen2vl import build_tiny_qwen2vl
+
+    return build_tiny_qwen2vl(str(tmp_path_factory.mktemp("tiny_qwen2vl")))
+
+
+def _chat_reference(model_dir: str, conversations: list[list], prompt: str, max_new_tokens: int) -> list[str]:
+    """transformers' own chat-VLM captioning, called directly, one conversation at a time: the images of
+    each (one, or a clip's frames) then ``prompt`` as the user turn, through the processor's chat
+    template; greedy; the input ids cut off the output."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    out = []
+    for images in conversations:
+        messages = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                                 {"type": "text", "text": prompt}]}]
+        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out.extend(processor.batch_decode(ids[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return [normalise(t) for t in out]
+
+
+def _shaped_images(n: int):
+    # different shapes: 1 to 4 image tokens each in the tiny Qwen2-VL, so a batch is padded
+    return [synthetic.render_image(i, 30 + 12 * (i % 4), 70 - 12 * (i % 4)) for i in range(n)]
+
+
+def test_a_chat_vlm_captions_as_transformers_does_batched_left_padded(qwen_dir):
+    captioner = load_captioner(qwen_dir, "cpu")
+    assert captioner.chat and captioner.multi_image
+    assert type(captioner.model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert captioner.processor.tokenizer.padding_side == "left"
+    images = _shaped_images(5)
+    want = _chat_reference(qwen_dir, [[im] for im in images], "Describe this image.", 10)
+    assert len(set(want)) > 1 and all(want)
+    # the default prompt is "Describe this image."; one batch of different lengths, padded on the left
+    mask = captioner._inputs(images, None)["attention_mask"]
+    assert (mask[:, 0] == 0).any() and (mask[:, -1] == 1).all()
+    assert captioner.generate(images, None, 10) == want
+    assert captioner.generate(images, "Describe this image.", 10) == want
+    assert [captioner.generate([im], None, 10)[0] for im in images] == want
+    # another prompt goes through the template as the user's text
+    asked = _chat_reference(qwen_dir, [[im] for im in images[:2]], "What is this?", 10)
+    assert captioner.generate(images[:2], "What is this?", 10) == asked
+
+
+def _clip(n_frames: int, width: int = 64, height: int = 48, fmt: str = "mp4") -> bytes:
+    from tests.fixtures import videos
+
+    codec = "libx264" if fmt == "mp4" else "libvpx-vp9"
+    return videos.encode(fmt, codec, width=width, height=height, rate=12, n_frames=n_frames,
+                         options={"preset": "ultrafast", "g": "12"} if fmt == "mp4" else {"deadline": "realtime"})
+
+
+def _all_frames(data: bytes) -> list:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return [f.to_image() for f in container.decode(video=0)]
+
+
+def test_a_frame_strip_is_evenly_spaced_frames(tmp_path):
+    import numpy as np
+
+    from shardprep.video.strips import frame_strip, strip_indices
+    from tests.fixtures.videos import frame_index
+
+    assert strip_indices(12, 4) == [1, 4, 7, 10] and strip_indices(48, 4) == [6, 18, 30, 42]
+    assert strip_indices(3, 4) == [0, 1, 2] and strip_indices(1, 4) == [0] and strip_indices(0, 4) == []
+    for fmt in ("mp4", "webm"):  # webm: no frame count in its index, counted from the packets
+        strip = frame_strip(_clip(12, fmt=fmt), 4)
+        assert [frame_index(np.asarray(im)[16:, 16:]) for im in strip] == [1, 4, 7, 10], fmt
+        assert all(im.mode == "RGB" and im.size == (64, 48) for im in strip)
+    assert len(frame_strip(_clip(2), 4)) == 2  # fewer frames than asked: all of them
+    with pytest.raises(Exception, match="not a video file"):
+        frame_strip(bytes(range(256)) * 4, 4)
+
+
+def _video_shard(layout, shard: str, clips: dict) -> None:
+    from shardprep.tars import TarWriter
+
+    os.makedirs(os.path.dirname(layout.video_tar(shard)), exist_ok=True)
+    with TarWriter(layout.video_tar(shard)) as tar:
+        for key, members in clips.items():
+            tar.add(key, members)
+
+
+def test_video_clips_are_captioned_from_a_frame_strip_in_one_user_turn(tmp_path, qwen_dir):
+    from shardprep.curation.captions import COLUMNS, write_captions
+    from shardprep.layout import Layout
+    from shardprep.verify import verify_captions
+
+    layout = Layout(str(tmp_path / "out"))
+    # the first two clips, captioned in one call, have frames of 4 and 2 image tokens: padded on the left
+    good = {"000020000_00": _clip(12), "000020000_01": _clip(24, 80, 48), "000020001_00": _clip(16, 48, 64)}
+    _video_shard(layout, "00002", {
+        "000020000_00": {"mp4": good["000020000_00"], "txt": "first clip", "json": "{}"},
+        "000020000_01": {"mp4": good["000020000_01"], "txt": "second clip", "json": "{}"},
+        "000020000_02": {"mp4": bytes(range(256)) * 4, "txt": "broken", "json": "{}"},
+        "000020000_03": {"txt": "no video", "json": "{}"},
+        "000020001_00": {"mp4": good["000020001_00"], "json": "{}"},
+    })
+    captioner = load_captioner(qwen_dir, "cpu")
+    # 8 images per call at 4 frames: 2 clips per call
+    report = write_captions("00002", layout, captioner, batch_size=8, max_new_tokens=8, threads=2, media="video",
+                            video_frames=4)
+    assert (report.samples, report.captioned, len(report.skipped)) == (5, 3, 2)
+    rows = pq.read_table(layout.captions("00002")).to_pylist()
+    assert list(rows[0]) == list(COLUMNS)
+    assert [r["key"] for r in rows] == ["000020000_00", "000020000_01", "000020000_02", "000020000_03",
+                                        "000020001_00"]  # tar order
+    assert [r["original_caption"] for r in rows] == ["first clip", "second clip", "broken", "no video", None]
+    # transformers' own call with the clip's frames (the middles of 4 equal parts) as the images of one turn
+    strips = [[frames[i] for i in (1, 4, 7, 10)] for frames in [_all_frames(good["000020000_00"])]]
+    strips += [[_all_frames(good["000020000_01"])[i] for i in (3, 9, 15, 21)],
+               [_all_frames(good["000020001_00"])[i] for i in (2, 6, 10, 14)]]
+    grids = captioner.processor.image_processor(images=[strips[0][0], strips[1][0]])["image_grid_thw"]
+    assert grids[0].prod() != grids[1].prod()
+    want = _chat_reference(qwen_dir, strips, "Describe this video.", 8)
+    assert [rows[i]["caption"] for i in (0, 1, 4)] == want and len(set(want)) > 1
+    assert [r["caption"] for r in rows[2:4]] == [None, None]
+    assert "video decode failed: VideoError: not a video file" in rows[2]["skip_reason"]
+    assert "no video member" in rows[3]["skip_reason"]
+    assert {r["model"] for r in rows} == {qwen_dir} and {r["prompt"] for r in rows} == {None}
+    assert verify_captions(layout, "00002").ok
+    # a prompt given is the video's question too; fewer frames: a shorter strip
+    write_captions("00002", layout, captioner, batch_size=8, prompt="What is this?", max_new_tokens=8, threads=2,
+                   media="video", video_frames=2)
+    rows = pq.read_table(layout.captions("00002")).to_pylist()
+    frames = _all_frames(good["000020000_00"])
+    assert rows[0]["caption"] == _chat_reference(qwen_dir, [[frames[3], frames[9]]], "What is this?", 8)[0]
+    assert rows[0]["prompt"] == "What is this?"
+    # no video tar: no file, a stale one removed
+    Path(layout.video_tar("00002")).unlink()
+    assert write_captions("00002", layout, None, media="video").samples == 0
+    assert not Path(layout.captions("00002")).exists() and verify_captions(layout, "00002").ok
+
+
+def test_a_one_image_captioner_leaves_video_clips_uncaptioned_with_a_reason(tmp_path, blip_dir):
+    from shardprep.curation.captions import write_captions
+    from shardprep.layout import Layout
+    from shardprep.models.captioner import CaptionerError
+
+    layout = Layout(str(tmp_path / "out"))
+    _video_shard(layout, "00001", {"000010000_00": {"mp4": _clip(6), "txt": "a clip"},
+                                   "000010001_00": {"mp4": b"broken", "txt": "broken"}})
+    captioner = load_captioner(blip_dir, "cpu")
+    assert not captioner.multi_image
+    with pytest.raises(CaptionerError, match="one image per caption"):
+        captioner.generate_strips([_shaped_images(2)])
+    report = write_captions("00001", layout, captioner, media="video", threads=1)
+    assert (report.samples, report.captioned) == (2, 0)
+    rows = pq.read_table(layout.captions("00001")).to_pylist()
+    assert [r["original_caption"] for r in rows] == ["a clip", "broken"] and {r["caption"] for r in rows} == {None}
+    assert {r["skip_reason"] for r in rows} == {
+        f"captioner {blip_dir} takes one image per caption: video clips are not captioned"}
+
+
+def test_pipeline_captions_a_video_shard_through_dagster(tmp_path, tiny_clip_dir, qwen_dir, blip_dir):
+    """A video-only dataset: the captions asset captions every clip of its video shard from frame strips
+    and verify passes; with a one-image captioner, its status says video captions are unsupported."""
+    import pyarrow as pa
+
+    from shardprep.config import config_from_dict
+    from shardprep.layout import Layout
+    from shardprep.tars import sample_keys
+    from shardprep.verify import verify_shard
+    from shardprep_dagster.orchestration.runner import run_pipeline
+    from tests.fixtures.http_server import serve_directory
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "a.mp4").write_bytes(_clip(24))
+    (site / "b.mp4").write_bytes(_clip(12, 48, 64))
+    base_url, stop = serve_directory(str(site))
+    try:
+        (tmp_path / "videos").mkdir()
+        pq.write_table(pa.table({"contentUrl": [f"{base_url}/a.mp4", f"{base_url}/b.mp4", f"{base_url}/none.mp4"],
+                                 "name": ["video a", "video b", "missing"]}), tmp_path / "videos" / "v.parquet")
+        fields = dict(source=None, video_source=f"{tmp_path}/videos/*.parquet", output_root=str(tmp_path / "out"),
+                      allow_private_addresses=True, timeout=5, video_url_col="contentUrl", video_caption_col="name",
+                      video_size=32, video_frame_rate=12, clip_model=f"hf_clip:{tiny_clip_dir}",
+                      enable_nemo_text2img=False, enable_nemo_diffusion=False, captioner=qwen_dir,
+                      caption_max_new_tokens=4, caption_video_frames=3)
+        layout = Layout(fields["output_root"])
+        home = tmp_path / "home"
+        home.mkdir()
+        with dg.instance_for_test(temp_dir=str(home)) as instance:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                summary = run_pipeline(write_config(tmp_path / "c.yaml", **fields), instance=instance, progress=False,
+                                       in_process=True)
+            assert summary.ok, summary.failed
+            (shard,) = summary.shards
+            rows = pq.read_table(layout.captions(shard)).to_pylist()
+            assert [r["key"] for r in rows] == sample_keys(layout.video_tar(shard)) and len(rows) == 2
+            assert all(r["caption"] and r["skip_reason"] is None for r in rows), rows
+            assert sorted(r["original_caption"] for r in rows) == ["video a", "video b"]
+            assert verify_shard(layout, config_from_dict(dict(fields)), "captions", shard, media="video").ok
+            meta = instance.fetch_materializations(dg.AssetKey("captions"), limit=1).records[0]
+            meta = meta.asset_materialization.metadata
+            assert meta["status"].value == "written" and meta["media"].value == "video"
+            assert meta["captioned"].value == 2 and meta["captions_sheet"].value.startswith("![captions of shard")
+            # a one-image captioner: the clips are captioned again (a caption setting), each row with the reason
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                again = run_pipeline(write_config(tmp_path / "c.yaml", **{**fields, "captioner": blip_dir}),
+                                     instance=instance, progress=False, in_process=True)
+            assert again.ok, again.failed
+            rows = pq.read_table(layout.captions(shard)).to_pylist()
+            assert len(rows) == 2 and {r["caption"] for r in rows} == {None}
+            assert {r["skip_reason"] for r in rows} == {f"captioner {blip_dir} takes one image per caption: video "
+                                                        "clips are not captioned"}
+            meta = instance.fetch_materializations(dg.AssetKey("captions"), limit=1).records[0]
+            assert "video captions unsupported" in meta.asset_materialization.metadata["status"].value
+            # a takedown takes the clip's caption row out too (restamped: verify still passes)
+            from shardprep.takedown.apply import takedown_shard
+
+            gone = rows[0]["key"]
+            report = takedown_shard(layout, shard, "video", [{"key": gone, "url": "", "kind": "key", "value": gone,
+                                                              "list": "test", "reason": "test"}])
+            assert report.artifacts["captions"] == 1
+            rows = pq.read_table(layout.captions(shard)).to_pylist()
+            assert [r["key"] for r in rows] == sample_keys(layout.video_tar(shard)) and gone not in {r["key"] for r in rows}
+            assert verify_shard(layout, config_from_dict(dict(fields)), "captions", shard, media="video").ok
+    finally:
+        stop()

@@ -111,6 +111,8 @@ BAD_VALUES = {
     "caption_prompt": ["", "  ", 3, ["a photograph of"]],
     "caption_max_new_tokens": _NOT_POSITIVE,
     "caption_batch_size": _NOT_POSITIVE,
+    "caption_video_frames": _NOT_POSITIVE,
+    "train_caption": ["mixed", "", 1, None, ["synthetic"]],
     "dedup": _NOT_FLAG,
     "dedup_threshold": [0, -0.5, 1.5, "0.9", True, float("nan")],
     "aesthetic_min": ["5", True, float("inf"), [5]],

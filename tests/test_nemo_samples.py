@@ -22,7 +22,7 @@ from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
 from shardprep.models import nemo as nemo_models
 from shardprep.models.nemo import ClipTextEncoder, ImageAutoencoder, ModelLoadError, T5TextEncoder
-from shardprep.nemo.diffusion import aesthetic_score, latent_problem, write_diffusion_samples
+from shardprep.nemo.diffusion import aesthetic_score, latent_id, latent_problem, write_diffusion_samples
 from shardprep.nemo.precache import IMAGE_KEY, TEXT_KEY, PrecacheError, write_precached_encodings
 from tests.fixtures.synthetic import render_image
 from tests.fixtures.tiny_nemo import build_tiny_autoencoder, build_tiny_sd_autoencoder, build_tiny_t5
@@ -158,7 +158,7 @@ def test_t5_encoding_matches_nemo_encode_for_batch(encoders):
 
 def test_diffusion_tars_hold_nemo_members(diffusion, encoders):
     layout, truth, reports = diffusion
-    written = {}
+    written, home = {}, {}
     for shard, rep in reports.items():
         members = _members(layout.diffusion_tar(shard))
         names = list(members)
@@ -167,6 +167,7 @@ def test_diffusion_tars_hold_nemo_members(diffusion, encoders):
         assert names == [f"{k}..{e}" for k in keys for e in ("json", "pickle", "pth")]  # contiguous samples
         assert rep.samples == len(keys) == rep.input_samples - len(rep.failures)
         written.update({k: members for k in keys})
+        home.update(dict.fromkeys(keys, shard))
     assert reports["00001"].failures == [{"key": BROKEN, "reason": reports["00001"].failures[0]["reason"]}]
     assert "image decode" in reports["00001"].failures[0]["reason"]
     assert set(written) == set(truth) - {BROKEN}
@@ -179,8 +180,11 @@ def test_diffusion_tars_hold_nemo_members(diffusion, encoders):
         n_tokens = len(tok(truth[key]["caption"], truncation=True, max_length=512).input_ids)
         assert isinstance(text, np.ndarray) and text.dtype == np.float16 and text.shape == (n_tokens, T5_DIM)
         meta = json.loads(members[f"{key}..json"])
+        with tarfile.open(layout.tar(home[key])) as tf:
+            image = tf.extractfile(f"{key}.jpg").read()
         assert meta == {"image_height": RES, "image_width": RES, "aesthetic_score": truth[key]["aesthetic"],
-                        "caption": truth[key]["caption"], "source_key": key}
+                        "caption": truth[key]["caption"], "source_key": key,
+                        "latent_id": latent_id(image, encoders["vae"].path, RES)}
 
     # the stored latents are the autoencoder's mean of NeMo-style preprocessing, cast to bf16
     # (re-encoded as the same batch of 4 the writer used, so CPU kernels give identical bits)

@@ -59,9 +59,10 @@ def _hits(server) -> dict[int, int]:
 
 
 def _stamps(layout: Layout, shard: str) -> dict[str, float | None]:
-    """``written_at`` of the shard's downstream stamps (diffusion_samples and captions are off in these tests)."""
+    """``written_at`` of the shard's downstream stamps (diffusion_samples, captions and training_text are off
+    in these tests)."""
     return {a: (read_stamp(layout, a, shard) or {}).get("written_at") for a in downstream_shard_artifacts()
-            if a not in ("diffusion_samples", "captions")}
+            if a not in ("diffusion_samples", "captions", "training_text")}
 
 
 def test_retry_fetches_only_transient_failures_and_invalidates_that_shards_downstream(dataset, capsys, monkeypatch):
@@ -168,7 +169,7 @@ def test_reason_classes():
     assert not reason_matches("HTTP Error 404: Not Found", "transient")
     assert not reason_matches("HTTP Error 404: Not Found", {"5xx", "429"})
     assert downstream_shard_artifacts() == ["clip_embeddings", "reordered_embeddings", "image_scores", "captions",
-                                            "diffusion_samples"]
+                                            "training_text", "diffusion_samples"]
 
 
 def test_cli_rejects_a_permanent_reason(capsys):

@@ -26,21 +26,42 @@ def changed(**fields) -> set[str]:
 
 def test_versions_follow_the_fields_each_artifact_reads():
     downstream_of_images = {"image_shards", "clip_embeddings", "reordered_embeddings", "image_scores", "captions",
-                            "duplicates",
+                            "training_text", "duplicates",
                             "sample_selection", "diffusion_samples",
                             "balanced_shards", "wdinfo", "precached_encodings", "image_energon_index",
                             "diffusion_energon_index", "dataset_report"}
     assert changed(image_size=128) == downstream_of_images
     assert changed(clip_model="open_clip:ViT-B-32/laion2b_s34b_b79k") == {
-        "clip_embeddings", "reordered_embeddings", "image_scores", "duplicates", "dataset_report"}
+        "clip_embeddings", "reordered_embeddings", "image_scores", "training_text", "duplicates", "dataset_report"}
     assert changed(diffusion_resolution=256) == {"diffusion_samples", "diffusion_energon_index"}
-    # synthetic captions: only the captions (nothing reads them yet)
-    assert changed(captioner="Salesforce/blip-image-captioning-base") == {"captions"}
+    # synthetic captions: only the captions (and training_text, which is off: train_caption is original)
+    assert changed(captioner="Salesforce/blip-image-captioning-base") == {"captions", "training_text"}
     assert changed(caption_prompt="a photograph of") == changed(caption_max_new_tokens=10) == {"captions"}
+    assert changed(caption_video_frames=8) == {"captions"}
+    # training on them: what holds the text, never a download, an embedding of the images or a latent's input
+    captioned = {**BASE, "captioner": "Salesforce/blip-image-captioning-base"}
+    text = {"training_text", "diffusion_samples", "diffusion_energon_index", "balanced_shards", "wdinfo",
+            "precached_encodings", "image_energon_index"}
+    for mode in ("synthetic", "both"):
+        before = artifact_versions(config_from_dict(captioned))
+        after = artifact_versions(config_from_dict({**captioned, "train_caption": mode}))
+        assert {a for a in ARTIFACTS if before[a] != after[a]} == text, mode
+    synthetic, both = (artifact_versions(config_from_dict({**captioned, "train_caption": m})) for m in ("synthetic", "both"))
+    assert {a for a in ARTIFACTS if synthetic[a] != both[a]} == text
+    # with synthetic captions in the training text, a caption setting reaches it
+    before = artifact_versions(config_from_dict({**captioned, "train_caption": "both"}))
+    after = artifact_versions(config_from_dict({**captioned, "train_caption": "both", "caption_max_new_tokens": 9}))
+    assert {a for a in ARTIFACTS if before[a] != after[a]} == text | {"captions"}
     # a video setting makes only what is made from videos stale, never an image output
     assert changed(video_size=360) == {"video_shards", "video_diffusion_samples", "diffusion_energon_index",
                                        "dataset_report"}
     assert changed(video_diffusion_frames=17) == {"video_diffusion_samples", "diffusion_energon_index"}
+    # captions are made from both media (one version): they follow the video settings in a dataset with videos
+    videos = {**BASE, "video_source": "/data/videos/*.parquet"}
+    before = artifact_versions(config_from_dict(videos))
+    after = artifact_versions(config_from_dict({**videos, "video_size": 360}))
+    assert {a for a in ARTIFACTS if before[a] != after[a]} == {"video_shards", "video_diffusion_samples",
+                                                                "diffusion_energon_index", "dataset_report", "captions"}
     assert changed(tar_chunk_size=500) == {"balanced_shards", "wdinfo", "precached_encodings"}
     assert changed(energon_split_ratio=[0.8, 0.2, 0.0]) == {"image_energon_index", "diffusion_energon_index"}
     # a curation rule: the selection and the outputs made from it, never downloads, embeddings or latents

@@ -1,4 +1,5 @@
-"""Synthetic captions of one image shard, from a vision-language model (``shardprep.models.captioner``).
+"""Synthetic captions of one image shard, from a vision-language model (``shardprep.models.captioner``);
+a video shard's, a caption per clip from its frame strip, in ``curation.video_captions``.
 
 ``layout.tar(shard)`` -> ``layout.captions(shard)`` (``<root>/captions/{shard}.parquet``), one row per
 sample of the tar, in tar order:
@@ -17,13 +18,11 @@ written atomically; a shard without a tar (no sample downloaded) gets no file, a
 from __future__ import annotations
 
 import io
-import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice
 
 from shardprep.clip_samples import IMAGE_EXTS
+from shardprep.curation.caption_batches import caption_in_batches, sample_text
 from shardprep.layout import Layout
 from shardprep.storage import exists, read_parquet, remove, write_parquet
 
@@ -49,10 +48,6 @@ def _decode(sample: dict):
         return im.convert("RGB")  # loads the pixels: a truncated file fails here, in the pool
 
 
-def _text(sample: dict) -> str | None:
-    data = sample.get("txt")
-    return None if data is None else data.decode("utf-8", errors="replace")
-
 
 def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | None = None,
                 max_new_tokens: int = 30, threads: int = 0) -> list[dict]:
@@ -61,36 +56,12 @@ def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | Non
     threads (0: one per core)."""
     from shardprep.tars import iter_samples
 
-    rows: list[dict] = []
+    def row_of(sample: dict) -> dict:
+        return {"key": sample["__key__"], "caption": None, "original_caption": sample_text(sample),
+                "model": captioner.name, "prompt": prompt, "skip_reason": None}
 
-    def run(batch: list[tuple[str, str | None, Future]]) -> None:
-        images, at = [], []
-        for key, original, decoded in batch:
-            row = {"key": key, "caption": None, "original_caption": original, "model": captioner.name,
-                   "prompt": prompt, "skip_reason": None}
-            try:
-                images.append(decoded.result())
-                at.append(len(rows))
-            except Exception as e:  # noqa: BLE001 - a bad image is a recorded skip
-                row["skip_reason"] = f"image decode failed: {type(e).__name__}: {e}"
-            rows.append(row)
-        if images:
-            for i, text in zip(at, captioner.generate(images, prompt, max_new_tokens), strict=True):
-                rows[i]["caption"] = text
-
-    if not threads:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    samples = iter_samples(tar_url)
-    with ThreadPoolExecutor(threads) as pool:
-        ahead: list[tuple[str, str | None, Future]] = []  # decoded while the model captions the batch before
-        while True:
-            started = [(s["__key__"], _text(s), pool.submit(_decode, s)) for s in islice(samples, batch_size)]
-            if ahead:
-                run(ahead)
-            if not started:
-                break
-            ahead = started
-    return rows
+    return caption_in_batches(iter_samples(tar_url), row_of, _decode,
+                              lambda images: captioner.generate(images, prompt, max_new_tokens), batch_size, threads)
 
 
 def captions_table(rows: list[dict]):
@@ -101,16 +72,25 @@ def captions_table(rows: list[dict]):
 
 
 def write_captions(shard: str, layout: Layout, captioner, batch_size: int = 16, prompt: str | None = None,
-                   max_new_tokens: int = 30, threads: int = 0) -> CaptionsReport:
-    """Caption every sample of ``shard``'s tar and write ``layout.captions(shard)`` (module docstring)."""
+                   max_new_tokens: int = 30, threads: int = 0, media: str = "image",
+                   video_frames: int = 4) -> CaptionsReport:
+    """Caption every sample of ``shard``'s tar and write ``layout.captions(shard)`` (module docstring); a
+    video shard (``media``): every clip of its video tar, from ``video_frames`` frames each
+    (``curation.video_captions``)."""
     start = time.perf_counter()
     report = CaptionsReport(shard=shard)
     url = layout.captions(shard)
-    if not exists(layout.tar(shard)):
+    tar = layout.video_tar(shard) if media == "video" else layout.tar(shard)
+    if not exists(tar):
         remove(url)
         report.seconds = time.perf_counter() - start
         return report
-    rows = caption_tar(layout.tar(shard), captioner, batch_size, prompt, max_new_tokens, threads)
+    if media == "video":
+        from shardprep.curation.video_captions import caption_video_tar  # PyAV only where videos are
+
+        rows = caption_video_tar(tar, captioner, video_frames, batch_size, prompt, max_new_tokens, threads)
+    else:
+        rows = caption_tar(tar, captioner, batch_size, prompt, max_new_tokens, threads)
     write_parquet(url, captions_table(rows))  # atomic (shardprep.storage)
     report.samples = len(rows)
     report.captioned = sum(r["caption"] is not None for r in rows)

@@ -11,14 +11,22 @@ Qwen2-VL and LLaVA among them, to both classes):
 
 * a processor with a chat template (chat VLMs): the prompt (default "Describe this image.") is the user
   turn of a one-image conversation through that template, with the generation prompt added; batches are
-  padded on the left, as decoder-only generation needs;
+  padded on the left, as decoder-only generation needs. Such a model is ``multi_image``: a video clip's
+  frame strip (``generate_strips``) is one user turn of its N images then the prompt (default "Describe
+  this video.");
 * without one (BLIP, BLIP-2, InstructBLIP): the prompt, when given, is passed as the text (BLIP: the
-  start of the caption, e.g. "a photograph of"; InstructBLIP: the instruction); None: unconditional.
+  start of the caption, e.g. "a photograph of"; InstructBLIP: the instruction); None: unconditional. One
+  image per caption: no video captions (``curation.video_captions`` records why).
 
 Output: when the generated ids start with the input ids (decoder-only models), those are cut off before
 decoding; a caption that starts with the prompt as the tokenizer writes it back (BLIP echoes it,
-lowercased) has it stripped. Only the BLIP path is exercised by the tests (tests/test_captions.py: a tiny
-random-weight BLIP); the chat path follows transformers' documented usage and is untested here.
+lowercased) has it stripped.
+
+Tested (tests/test_captions.py, tiny random-weight models built there): BLIP (the non-chat path) and
+Qwen2-VL (the chat path: one image, batches of different lengths left-padded, frame strips), each equal
+to transformers' own calls. Other families go through the same two paths, untested here: BLIP-2 and
+InstructBLIP like BLIP; Qwen2.5-VL, LLaVA, Idefics like Qwen2-VL (a strip's images are passed nested,
+one list per conversation, which their processors take).
 
 Florence-2 as Microsoft publishes it (``microsoft/Florence-2-*``) is remote code (``trust_remote_code``),
 which is never run: not loadable offline. (transformers 4.57's native ``Florence2ForConditionalGeneration``,
@@ -26,7 +34,8 @@ for checkpoints converted to it, goes through the ``AutoModelForImageTextToText`
 
 Generation is greedy (``do_sample=False``, one beam): the same model, images and settings give the same
 captions. Whitespace in the output is normalised (runs of spaces/newlines -> one space, stripped).
-A model is loaded once per process per (spec, device), in eval mode, on the resolved device.
+A model is loaded once per process per (spec, device), in eval mode, on the resolved device, in bfloat16
+on a GPU (float32 on the CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any
 from shardprep.errors import ShardprepError
 
 DEFAULT_CHAT_PROMPT = "Describe this image."
+DEFAULT_VIDEO_PROMPT = "Describe this video."  # a chat VLM given a clip's frame strip
 LOAD_COUNT = 0  # models loaded by this process (worker metadata)
 
 
@@ -63,6 +73,12 @@ class Captioner:
     def name(self) -> str:
         return self.spec
 
+    @property
+    def multi_image(self) -> bool:
+        """It captions several images together (a video's frame strip): a chat template's user turn holds
+        any number of image entries; a model without one (BLIP) takes one image per caption."""
+        return self.chat
+
     def _inputs(self, images: list, prompt: str | None):
         if self.chat:
             text = self._chat_text(prompt or DEFAULT_CHAT_PROMPT)
@@ -71,8 +87,8 @@ class Captioner:
             return self.processor(images=images, return_tensors="pt")
         return self.processor(images=images, text=[prompt] * len(images), return_tensors="pt", padding=True)
 
-    def _chat_text(self, prompt: str) -> str:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    def _chat_text(self, prompt: str, images: int = 1) -> str:
+        messages = [{"role": "user", "content": [*[{"type": "image"}] * images, {"type": "text", "text": prompt}]}]
         template = getattr(self.processor, "apply_chat_template", None)
         if template is None or getattr(self.processor, "chat_template", None) is None:
             return prompt  # e.g. PaliGemma: the processor adds the image tokens itself
@@ -80,12 +96,33 @@ class Captioner:
 
     def generate(self, images: list, prompt: str | None = None, max_new_tokens: int = 30) -> list[str]:
         """One caption per PIL image of ``images`` (one batch: the caller batches), greedy."""
-        import torch
-
         if not images:
             return []
         rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
-        inputs = self._inputs(rgb, prompt).to(self.device)
+        texts = self._generate(self._inputs(rgb, prompt), max_new_tokens)
+        if prompt is not None and not self.chat:
+            echoed = self._rendered(prompt)
+            texts = [normalise(t[len(echoed):]) if echoed and t.startswith(echoed) else t for t in texts]
+        return texts
+
+    def generate_strips(self, strips: list[list], prompt: str | None = None, max_new_tokens: int = 30) -> list[str]:
+        """One caption per strip of ``strips`` (a list of PIL images each: a video clip's frames), the
+        strip's images and then the prompt (default "Describe this video.") in one user turn; one batch,
+        greedy. Only for a ``multi_image`` captioner."""
+        if not self.multi_image:
+            raise CaptionerError(f"captioner {self.spec!r}: takes one image per caption, not a frame strip")
+        if not strips:
+            return []
+        rgb = [[im if im.mode == "RGB" else im.convert("RGB") for im in strip] for strip in strips]
+        text = [self._chat_text(prompt or DEFAULT_VIDEO_PROMPT, len(strip)) for strip in rgb]
+        # nested: each text's images (Qwen2-VL flattens them in order; Idefics-style processors need it)
+        return self._generate(self.processor(images=rgb, text=text, return_tensors="pt", padding=True),
+                              max_new_tokens)
+
+    def _generate(self, inputs, max_new_tokens: int) -> list[str]:
+        import torch
+
+        inputs = inputs.to(self.device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         with torch.inference_mode():
@@ -93,11 +130,7 @@ class Captioner:
         ids = inputs.get("input_ids")
         if ids is not None and out.shape[1] >= ids.shape[1] and torch.equal(out[:, :ids.shape[1]], ids):
             out = out[:, ids.shape[1]:]  # a decoder-only model returns its input first
-        texts = [normalise(t) for t in self.processor.batch_decode(out, skip_special_tokens=True)]
-        if prompt is not None and not self.chat:
-            echoed = self._rendered(prompt)
-            texts = [normalise(t[len(echoed):]) if echoed and t.startswith(echoed) else t for t in texts]
-        return texts
+        return [normalise(t) for t in self.processor.batch_decode(out, skip_special_tokens=True)]
 
     def _rendered(self, prompt: str) -> str:
         """``prompt`` as the model writes it back (tokenised then decoded: BLIP's tokenizer lowercases)."""
@@ -128,6 +161,8 @@ def _load(spec: str, device: str) -> Captioner:
 
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForVision2Seq, AutoProcessor
 
+    from shardprep.models.nemo import compute_dtype, hf_dtype_kwarg
+
     where = "local folder" if os.path.isdir(spec) else "hub id (local cache only)"
     try:
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
@@ -142,7 +177,8 @@ def _load(spec: str, device: str) -> Captioner:
             if type(config) not in auto._model_mapping:
                 continue
             try:
-                model = auto.from_pretrained(spec, local_files_only=True)
+                # bfloat16 on a GPU (as the NeMo encoders): half the memory and the tensor cores' speed
+                model = auto.from_pretrained(spec, local_files_only=True, **hf_dtype_kwarg(compute_dtype(device)))
             except Exception as e:  # noqa: BLE001
                 raise CaptionerError(f"captioner {spec!r}: cannot load its weights ({type(e).__name__}: {e})") from e
             break

@@ -131,24 +131,44 @@ def decode_for_clip(data: bytes, spec: ImageSpec) -> np.ndarray:
     return np.ascontiguousarray(_decode_crop(data, spec))
 
 
+def draft_target(spec: ImageSpec, width: int, height: int) -> tuple[int, int] | None:
+    """The size a JPEG of ``width`` x ``height`` may be DCT-reduced to (PIL ``draft``'s request) for
+    ``spec``: DRAFT_GAP x the resized size when the image is at least twice that on both sides, else
+    None (decoded at full size). Also read by ``shardprep.pixels``, which decodes once for every model."""
+    new_w, new_h = spec.resized_size(width, height)
+    if new_w * DRAFT_GAP * 2 <= width and new_h * DRAFT_GAP * 2 <= height:
+        return int(DRAFT_GAP * new_w + 0.999), int(DRAFT_GAP * new_h + 0.999)
+    return None
+
+
 def _decode_crop(data: bytes, spec: ImageSpec) -> np.ndarray:
     # decode_for_clip without the final copy (the crop is a view of the resized image)
-    import cv2
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
         width, height = im.size
-        new_w, new_h = spec.resized_size(width, height)
-        reduced = False
-        if im.format == "JPEG" and new_w * DRAFT_GAP * 2 <= width and new_h * DRAFT_GAP * 2 <= height:
+        target = draft_target(spec, width, height) if im.format == "JPEG" else None
+        if target is not None:
             # largest DCT reduction that keeps DRAFT_GAP x the target (PIL picks the scale)
-            im.draft("RGB", (int(DRAFT_GAP * new_w + 0.999), int(DRAFT_GAP * new_h + 0.999)))
-            reduced = im.size != (width, height)
-        rgb = im if im.mode == "RGB" else im.convert("RGB")
-        if not reduced and rgb.size != (new_w, new_h):
-            # no DCT reduction: PIL's own resize, so the pixels are the reference preprocess's
-            rgb = rgb.resize((new_w, new_h), Image.BICUBIC)
-        arr = np.asarray(rgb)
+            im.draft("RGB", target)
+        return resize_crop(im if im.mode == "RGB" else im.convert("RGB"), spec, (width, height),
+                           area=im.size != (width, height))
+
+
+def resize_crop(rgb, spec: ImageSpec, original: tuple[int, int], area: bool) -> np.ndarray:
+    """A decoded RGB PIL image -> uint8 ``[crop_h, crop_w, 3]`` (a view): resized to ``spec`` and center
+    cropped; the resized size is the ``original`` (width, height)'s, which a DCT-reduced decode only
+    approximates (odd sides round up). ``area``: the image was decoded for a DCT reduction
+    (``draft_target``), so it is still >= DRAFT_GAP x the target and OpenCV's area filter resizes it;
+    else PIL's bicubic, the reference's own."""
+    import cv2
+    from PIL import Image
+
+    new_w, new_h = spec.resized_size(*original)
+    if not area and rgb.size != (new_w, new_h):
+        # no DCT reduction: PIL's own resize, so the pixels are the reference preprocess's
+        rgb = rgb.resize((new_w, new_h), Image.BICUBIC)
+    arr = np.asarray(rgb)
     if arr.shape[1] != new_w or arr.shape[0] != new_h:
         # after a DCT reduction the image is still >= DRAFT_GAP x the target: area averages
         # every source pixel (what PIL's antialiased bicubic approximates), at SIMD speed
@@ -212,14 +232,22 @@ class ClipEncoder:
 
             with Image.open(io.BytesIO(data)) as im:
                 return self.preprocess(im)
+        if out is not None and out.dtype == np.uint8:  # GPU: normalised there, after the copy
+            return crop_into(data, self.image_spec, out)
+        return self.prepare_crop(_decode_crop(data, self.image_spec), out)
+
+    def prepare_crop(self, crop: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """What ``prepare_image`` makes of the image bytes, from their uint8 ``[H, W, 3]`` crop (a
+        ``resize_crop``, as ``shardprep.pixels`` makes it from its one decode), into ``out``."""
         import cv2
 
         if out is None:
             out = np.empty((3, *self.image_spec.crop), self._buffer_dtype())
         if out.dtype == np.uint8:  # GPU: normalised there, after the copy
-            return crop_into(data, self.image_spec, out)
+            out[...] = crop.transpose(2, 0, 1)
+            return out
         # CPU: (x / 255 - mean) / std here, in the worker thread, while the cache is warm
-        planes = cv2.split(_decode_crop(data, self.image_spec))
+        planes = cv2.split(crop)
         scale, shift = self._plane_norm()
         for c in range(3):
             np.multiply(planes[c], scale[c], out=out[c], dtype=np.float32)

@@ -48,7 +48,7 @@ def compute_dtype(device: str):
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def _hf_dtype_kwarg(dtype) -> dict:
+def hf_dtype_kwarg(dtype) -> dict:
     """transformers renamed ``torch_dtype`` to ``dtype`` in 4.56 (the old name warns); loading in the
     target dtype directly keeps an 11B T5 from materialising in float32 first."""
     import transformers
@@ -105,7 +105,7 @@ class T5TextEncoder:
         from transformers import T5EncoderModel, T5TokenizerFast
 
         tokenizer = T5TokenizerFast.from_pretrained(self.path)
-        model = T5EncoderModel.from_pretrained(self.path, **_hf_dtype_kwarg(compute_dtype(self.device)))
+        model = T5EncoderModel.from_pretrained(self.path, **hf_dtype_kwarg(compute_dtype(self.device)))
         return tokenizer, model.to(self.device).eval()
 
     def __repr__(self) -> str:

@@ -143,7 +143,14 @@ def decode_for_watermark(data: bytes) -> np.ndarray:
             # DCT scaling: PIL picks the largest 1/2, 1/4, 1/8 that keeps both sides >= SIZE (none when the
             # image is smaller); the exact resize below then averages what is left
             im.draft("RGB", (SIZE, SIZE))
-        rgb = im.convert("RGB")
+        return watermark_pixels(im.convert("RGB"))
+
+
+def watermark_pixels(rgb) -> np.ndarray:
+    """A decoded RGB PIL image -> uint8 ``[256, 256, 3]`` (also ``shardprep.pixels``' step after its one
+    decode, which may keep more pixels than the DCT reduction above: the resize averages them all)."""
+    from PIL import Image
+
     if rgb.size != (SIZE, SIZE):
         rgb = rgb.resize((SIZE, SIZE), Image.BILINEAR)  # torchvision's Resize on a PIL image: this call
     return np.asarray(rgb)

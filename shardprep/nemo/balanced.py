@@ -126,12 +126,16 @@ def complete_tar_counts(balanced_dir: str) -> dict[str, int]:
             for i, t in enumerate(raw["tars"]) if t["count"] == chunk}
 
 
-def source_identities(layout: Layout, versions: dict[str, str], selecting: bool) -> dict[str, str | None]:
+def source_identities(layout: Layout, versions: dict[str, str], selecting: bool,
+                      training_text: bool = False) -> dict[str, str | None]:
     """``{image shard: identity of the samples the balanced tars take from it}`` in ledger order; None
     while a shard is not ready (its image outputs are not complete at the current version, or a
-    selection is in force and has not selected the shard yet). The identity changes whenever the shard's
-    samples are written again or its selection is redone."""
+    selection is in force and has not selected the shard yet, or with ``training_text`` (synthetic
+    captions take part) its training text is not written yet). The identity changes whenever the shard's
+    samples are written again, its selection is redone or its training text is chosen again."""
     from shardprep.versions import current_stamps
+
+    texts = current_stamps(layout, "training_text", versions["training_text"]) if training_text else {}
 
     selection = {}
     if selecting:
@@ -146,6 +150,9 @@ def source_identities(layout: Layout, versions: dict[str, str], selecting: bool)
         if selecting and stamp.get("outputs", {}).get(layout.tar(shard)):  # a shard without a tar needs none
             chosen = selection.get(shard)
             ident = f"{ident};selection@{chosen['inputs']}" if chosen else None
+        if training_text and ident is not None:
+            text = texts.get(shard)
+            ident = f"{ident};text@{text.get('written_at')}" if text else None
         out[shard] = ident
     return out
 
@@ -177,10 +184,12 @@ def _sample_sort_key(key: str) -> tuple[int, str]:
 
 
 class _Samples:
-    """Samples of tars read by key, each tar's headers read once per update."""
+    """Samples of tars read by key, each tar's headers read once per update; with ``training_text`` each
+    sample's ``.txt`` is the caption it trains with (``shardprep.training_text``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, training_text: bool = False) -> None:
         self._headers: dict[str, dict[str, dict]] = {}
+        self.training_text = training_text
 
     def headers(self, url: str) -> dict[str, dict]:
         """``{key: {ext: MemberHeader}}`` of the tar at ``url`` in tar order ({} when it is missing)."""
@@ -195,7 +204,25 @@ class _Samples:
         missing = [k for k in keys if k not in headers]
         if missing:
             raise BalancedError(f"{url}: samples {missing[:3]} are not there any more")
-        return read_payloads(url, [headers[k] for k in keys])
+        samples = read_payloads(url, [headers[k] for k in keys])
+        if self.training_text:
+            for members in samples.values():
+                _train_txt(members)
+        return samples
+
+
+def _train_txt(members: dict[str, bytes]) -> None:
+    """The sample's ``.txt`` replaced by the caption its json says it trains with (none: kept)."""
+    from shardprep.training_text import train_text
+
+    try:
+        meta = json.loads(members["json"]) if "json" in members else {}
+    except ValueError:
+        return  # not ours to judge: the sample goes in as it is
+    original = members["txt"].decode("utf-8", errors="replace") if "txt" in members else None
+    text = train_text(meta if isinstance(meta, dict) else {}, original, True)
+    if text is not None:
+        members["txt"] = text.encode("utf-8")
 
 
 # ---------------------------------------------------------------- the update
@@ -218,10 +245,12 @@ class _Plan:
 
 def update_balanced_shards(layout: Layout, sources: dict[str, str | None] | list[str], chunk_size: int = 1000,
                            final: bool = False,
-                           selected: Callable[[str], set[str] | None] | None = None) -> BalancedReport:
+                           selected: Callable[[str], set[str] | None] | None = None,
+                           training_text: bool = False) -> BalancedReport:
     """Bring the balanced tars in step with ``sources``: ``{shard: identity}`` in the order new shards are
     consumed (a list: every identity the same), None for a shard not ready (not consumed yet, or its
-    samples withdrawn until it is). ``selected(shard)``: the keys of the shard to use, None for all."""
+    samples withdrawn until it is). ``selected(shard)``: the keys of the shard to use, None for all.
+    ``training_text``: each sample's ``.txt`` is its json's ``train_caption`` (synthetic captions take part)."""
     if chunk_size < 1:
         raise BalancedError(f"chunk_size must be >= 1, got {chunk_size}")
     sources = dict.fromkeys(sources, "") if isinstance(sources, list) else dict(sources)
@@ -235,12 +264,12 @@ def update_balanced_shards(layout: Layout, sources: dict[str, str | None] | list
     elif raw is not None and raw.get("version") != STATE_VERSION:
         raw, rebuilt = None, f"state version {raw.get('version')} (now {STATE_VERSION})"
     try:
-        return _update(layout, raw, sources, chunk_size, final, selected, _Samples(), rebuilt)
+        return _update(layout, raw, sources, chunk_size, final, selected, _Samples(training_text), rebuilt)
     except (ShardprepError, ValueError, KeyError, FileNotFoundError) as e:
         if raw is None:
             raise
         # the tars disagree with the state (changed behind its back): every tar is written again
-        return _update(layout, None, sources, chunk_size, final, selected, _Samples(),
+        return _update(layout, None, sources, chunk_size, final, selected, _Samples(training_text),
                        f"{type(e).__name__}: {e}")
 
 

@@ -21,21 +21,25 @@ sample gets no tar (energon's ``prepare`` asserts on empty shards); the tar is w
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import math
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from shardprep import storage
 from shardprep.clip_samples import IMAGE_EXTS
 from shardprep.encode import encode_tar, finish, input_missing, positive_int
 from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image
-from shardprep.tars import TarWriter
+from shardprep.tars import MemberHeader, TarWriter, header_samples, iter_members, read_payloads
+from shardprep.training_text import train_text
 
 if TYPE_CHECKING:
     from shardprep.models.nemo import ImageAutoencoder, T5TextEncoder
@@ -53,6 +57,7 @@ class DiffusionReport:
     failures: list[dict] = field(default_factory=list)  # {"key", "reason"} per sample not written
     latent_shape: list[int] | None = None  # [C, 1, h, w]
     text_dim: int | None = None
+    latents_reused: int = 0  # copied from the tar this one replaces (same image, autoencoder, resolution)
     tar_written: bool = False
     tar_bytes: int = 0
     seconds: float = 0.0
@@ -78,38 +83,82 @@ def aesthetic_score(meta: dict) -> float:
     return 0.0
 
 
-def parse_sample(sample: dict, url: str, exts: tuple[str, ...], what: str) -> tuple[str, str, dict] | dict:
+def parse_sample(sample: dict, url: str, exts: tuple[str, ...], what: str,
+                 synthetic_text: bool = False) -> tuple[str, str, dict] | dict:
     """``(media extension, caption, json meta)`` of a tar sample a diffusion sample is made from, or a
     failure record ``{"key", "reason"}`` (no ``what`` member among ``exts``, no or undecodable caption,
-    invalid json: recorded, never a crash)."""
+    invalid json: recorded, never a crash). ``synthetic_text``: the caption is the one the json says the
+    sample trains with (``shardprep.training_text``)."""
     key = sample["__key__"]
     ext = next((e for e in exts if e in sample), None)
     if ext is None:
         return {"key": key, "reason": f"no {what} member (" + "/".join(exts) + ")"}
-    if "txt" not in sample:
-        return {"key": key, "reason": "no .txt caption"}
     try:
-        caption = sample["txt"].decode("utf-8")
+        caption = sample["txt"].decode("utf-8") if "txt" in sample else None
     except UnicodeDecodeError as e:
         return {"key": key, "reason": f"caption is not UTF-8: {e}"}
     try:
         meta = json.loads(sample["json"].decode("utf-8")) if "json" in sample else {}
     except ValueError as e:
         return {"key": key, "reason": f"{url}: .json is not valid JSON ({e})"}
-    return ext, caption, meta if isinstance(meta, dict) else {}
+    meta = meta if isinstance(meta, dict) else {}
+    caption = train_text(meta, caption, synthetic_text)
+    if caption is None:
+        return {"key": key, "reason": "no .txt caption"}
+    return ext, caption, meta
 
 
-def _prepare(sample: dict, resolution: int, url: str) -> dict:
-    """Decode + preprocess one sample (worker thread); a bad sample becomes a failure record."""
-    key, parsed = sample["__key__"], parse_sample(sample, url, IMAGE_EXTS, "image")
+def latent_id(image: bytes, autoencoder: str, resolution: int) -> str:
+    """What a latent is made from: the image's bytes, the autoencoder and the resolution (stored in the
+    sample's json, so a later run whose text alone changed keeps the latent)."""
+    h = hashlib.blake2b(image, digest_size=12)
+    h.update(f"\0{autoencoder}\0{resolution}".encode("utf-8"))
+    return h.hexdigest()
+
+
+def _old_latents(url: str) -> dict[str, tuple[str, MemberHeader]]:
+    """``{key: (latent_id, the .pth member's header)}`` of the diffusion tar already at ``url`` (none, or
+    unreadable: {} -- everything is encoded)."""
+    if not storage.exists(url):
+        return {}
+    try:
+        samples, _ = header_samples(url)
+        jsons = read_payloads(url, [{"__key__": s["__key__"], "json": s[".json"]} for s in samples if ".json" in s])
+        out = {}
+        for s in samples:
+            lid = json.loads(jsons[s["__key__"]]["json"]).get("latent_id") if s["__key__"] in jsons else None
+            if isinstance(lid, str) and ".pth" in s:
+                out[s["__key__"]] = (lid, s[".pth"])
+        return out
+    except Exception:  # noqa: BLE001 - a tar we cannot read back is simply made again
+        return {}
+
+
+def _prepare(sample: dict, resolution: int, url: str, synthetic_text: bool = False,
+             reusable: Callable[[str, bytes], str | None] | None = None) -> dict:
+    """Decode + preprocess one sample (worker thread); a bad sample becomes a failure record.
+    ``reusable(key, image)``: the latent id when the existing tar holds this image's latent (then it is
+    not decoded), else None."""
+    key, parsed = sample["__key__"], parse_sample(sample, url, IMAGE_EXTS, "image", synthetic_text)
     if isinstance(parsed, dict):
         return parsed
     ext, caption, meta = parsed
+    if reusable is not None:
+        lid = reusable(key, sample[ext])
+        if lid is not None:
+            return {"key": key, "reused": lid, "caption": caption, "meta": meta}
     try:
         tensor = preprocess_image(sample[ext], resolution)
     except Exception as e:  # noqa: BLE001 - a bad image is a recorded failure, never a crash
         return {"key": key, "reason": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
-    return {"key": key, "tensor": tensor, "caption": caption, "meta": meta}
+    return {"key": key, "tensor": tensor, "caption": caption, "meta": meta, "image": sample[ext]}
+
+
+def _first_pth(f, url: str) -> bytes:
+    for name, payload in iter_members(f, url):
+        if name.endswith(".pth"):
+            return payload
+    raise ValueError(f"{url}: no .pth member")
 
 
 def pth_bytes(latent) -> bytes:
@@ -123,11 +172,16 @@ def pth_bytes(latent) -> bytes:
 
 def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae: "ImageAutoencoder",
                             resolution: int = 256, batch_size: int = 16,
-                            scores: dict[str, dict[str, float]] | None = None) -> DiffusionReport:
+                            scores: dict[str, dict[str, float]] | None = None,
+                            synthetic_text: bool = False, reuse_latents: bool = True) -> DiffusionReport:
     """Encode every sample of ``layout.tar(shard)`` and write ``layout.diffusion_tar(shard)``.
 
     ``resolution`` must be a multiple of 16 (8x autoencoder downsampling, then DiT's 2x2 patches).
     ``scores``: ``{key: {"aesthetic_score": x}}`` (``image_scores.read_scores``), used over the source's.
+    ``synthetic_text``: the T5 states and the json's ``caption`` are of the caption each sample trains with
+    (its json's ``train_caption``, ``shardprep.training_text``). ``reuse_latents``: a latent the existing tar
+    holds for the same image bytes, autoencoder and resolution (its json's ``latent_id``) is copied, not
+    encoded again.
     A missing input tar, or no sample surviving, leaves no output tar (a stale one is removed).
     """
     import torch
@@ -140,15 +194,30 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
     if input_missing(in_url, out_url):
         return finish(report, start)
 
-    def prepare(sample: dict) -> dict:
-        return _prepare(sample, resolution, in_url)
+    # a latent already in the tar, of the same image, autoencoder and resolution, is kept: a run whose
+    # text alone changed (train_caption) encodes the T5 states again, never an image
+    old = _old_latents(out_url) if reuse_latents else {}
 
-    def encode(ready: list[dict], out: TarWriter) -> None:
-        latents = vae.encode(torch.stack([it["tensor"] for it in ready]), output="mean")
+    def reusable(key: str, image: bytes) -> str | None:
+        held = old.get(key)
+        return held[0] if held is not None and held[0] == latent_id(image, vae.path, resolution) else None
+
+    def prepare(sample: dict) -> dict:
+        return _prepare(sample, resolution, in_url, synthetic_text, reusable if old else None)
+
+    def encode(ready: list[dict], out: TarWriter, old_file) -> None:
+        fresh = [it for it in ready if "tensor" in it]
+        made = iter(vae.encode(torch.stack([it["tensor"] for it in fresh]), output="mean") if fresh else [])
         texts = t5.encode([it["caption"] for it in ready])
-        for it, lat, txt in zip(ready, latents, texts):
-            lat = lat.to(torch.bfloat16).unsqueeze(1)  # [C, T=1, h, w]; checked as stored
-            problem = latent_problem(lat)
+        for it, txt in zip(ready, texts):
+            if "tensor" in it:
+                lat = next(made).to(torch.bfloat16).unsqueeze(1)  # [C, T=1, h, w]; checked as stored
+                problem, lid = latent_problem(lat), latent_id(it["image"], vae.path, resolution)
+            else:  # checked when it was first written
+                header = old[it["key"]][1]
+                old_file.seek(header.data_offset)
+                lat, problem, lid = old_file.read(header.size), None, it["reused"]
+                report.latents_reused += 1
             if problem is None and not np.isfinite(txt).all():
                 problem = "T5 text states have NaN/Inf values"
             if problem is not None:
@@ -157,18 +226,25 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
             meta = {"image_height": resolution, "image_width": resolution,
                     "aesthetic_score": aesthetic_score({**it["meta"], **(scores or {}).get(it["key"], {})}),
                     "caption": it["caption"],
-                    "source_key": it["key"]}
+                    "source_key": it["key"], "latent_id": lid}
             out.add(it["key"], {
                 ".json": json.dumps(meta),
                 ".pickle": pickle.dumps(txt),
-                ".pth": pth_bytes(lat),
+                ".pth": lat if isinstance(lat, bytes) else pth_bytes(lat),
             })
-            report.latent_shape = list(lat.shape)
+            if not isinstance(lat, bytes):
+                report.latent_shape = list(lat.shape)
             report.text_dim = int(txt.shape[1])
 
-    # decoding/resizing of upcoming samples runs in threads while the models encode a batch
-    done = encode_tar(in_url, out_url, prepare, encode, batch_size=batch_size, threads=_DECODE_THREADS,
-                      in_flight=2 * batch_size, failures=report.failures)
+    # decoding/resizing of upcoming samples runs in threads while the models encode a batch; the tar
+    # being replaced stays readable until the new one is published (atomic)
+    with storage.open_read(out_url) if old else contextlib.nullcontext() as old_file:
+        done = encode_tar(in_url, out_url, prepare, lambda ready, out: encode(ready, out, old_file),
+                          batch_size=batch_size, threads=_DECODE_THREADS, in_flight=2 * batch_size,
+                          failures=report.failures)
+    if report.latent_shape is None and report.latents_reused:
+        with storage.open_read(out_url) as f:  # every latent kept: the shape from one of them
+            report.latent_shape = list(torch.load(io.BytesIO(_first_pth(f, out_url)), weights_only=True).shape)
     report.input_samples, report.samples = done.read, done.written
     report.tar_written, report.tar_bytes = done.written > 0, done.tar_bytes
     return finish(report, start)

@@ -35,19 +35,26 @@ class CurationData:
     pairs: list[dict] = field(default_factory=list)  # duplicates.parquet rows
     duplicates: int = 0
     selection: dict | None = None  # selection/summary.json
+    top_watermark: list[tuple[str, float]] = field(default_factory=list)  # (key, pwatermark), highest first
+    # synthetic captions (captions): lengths in characters of the rows read, and a few samples with both
+    original_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    synthetic_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    captioned: list[tuple[str, str, str]] = field(default_factory=list)  # (key, synthetic, original)
     thumbs: dict[str, str] = field(default_factory=dict)  # key -> base64 JPEG
 
     @property
     def empty(self) -> bool:
-        return not (self.aesthetic.size or self.nsfw.size or self.watermark.size or self.duplicates or self.selection)
+        return not (self.aesthetic.size or self.nsfw.size or self.watermark.size or self.duplicates or self.selection
+                    or self.synthetic_lengths.size)
 
 
 def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> CurationData:
     """What image_scores, duplicates and sample_selection wrote for ``shards`` (image shards)."""
 
     data = CurationData()
-    keys, aesthetic, nsfw, watermark = [], [], [], []
+    keys, aesthetic, nsfw, watermark, watermark_keys = [], [], [], [], []
     for shard in shards:
+        _read_captions(layout, shard, rows_per_shard, data)
         url = layout.scores(shard)
         if not storage.exists(url):
             continue
@@ -59,6 +66,7 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         if "nsfw_score" in t.column_names:
             nsfw.append(t.column("nsfw_score").to_numpy(zero_copy_only=False))
         if "pwatermark" in t.column_names:
+            watermark_keys += t.column("key").to_pylist()
             watermark.append(t.column("pwatermark").to_numpy(zero_copy_only=False))
     if aesthetic:
         data.aesthetic = np.concatenate(aesthetic).astype(np.float64)
@@ -69,15 +77,37 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         data.nsfw = np.concatenate(nsfw).astype(np.float64)
     if watermark:
         data.watermark = np.concatenate(watermark).astype(np.float64)
+        order = [i for i in np.argsort(data.watermark)[::-1] if np.isfinite(data.watermark[i])]
+        data.top_watermark = [(watermark_keys[i], float(data.watermark[i])) for i in order[:THUMBS]]
     if storage.exists(layout.dedup_table):
         t = storage.read_parquet(layout.dedup_table)
         data.duplicates = t.num_rows
         data.pairs = t.slice(0, DUPLICATE_PAIRS).to_pylist()
     text = storage.read_text(layout.selection_summary)
     data.selection = json.loads(text) if text else None
-    wanted = {k for k, _ in data.top + data.bottom} | {p[c] for p in data.pairs for c in ("key", "kept_key")}
+    wanted = ({k for k, _ in data.top + data.bottom + data.top_watermark} | {k for k, _, _ in data.captioned}
+              | {p[c] for p in data.pairs for c in ("key", "kept_key")})
     data.thumbs = _thumbnails(layout, wanted, shards)
     return data
+
+
+def _read_captions(layout: Layout, shard: str, rows_per_shard: int, data: CurationData) -> None:
+    """The shard's synthetic captions (``captions``): lengths of the rows read, the first few for the sheet."""
+    url = layout.captions(shard)
+    if not storage.exists(url):
+        return
+    t = storage.read_parquet(url, ["key", "caption", "original_caption"])
+    t = t.take(spaced(t.num_rows, rows_per_shard))
+    rows = t.to_pylist()
+    lengths = {"synthetic": [len(r["caption"]) for r in rows if r["caption"] is not None],
+               "original": [len(r["original_caption"]) for r in rows if r["original_caption"] is not None]}
+    data.synthetic_lengths = np.concatenate([data.synthetic_lengths, lengths["synthetic"]])
+    data.original_lengths = np.concatenate([data.original_lengths, lengths["original"]])
+    for r in rows:
+        if len(data.captioned) >= THUMBS:
+            break
+        if r["caption"] is not None:
+            data.captioned.append((r["key"], r["caption"], r["original_caption"] or ""))
 
 
 def _thumbnails(layout: Layout, keys: set[str], shards: list[str], size: int = 96) -> dict[str, str]:
@@ -129,10 +159,22 @@ def curation_section(data: CurationData) -> list[str]:
             parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{title}">'
                          f"<figcaption>{title} ({values.size:,} samples read)</figcaption></figure>")
     for pid, title, items in (("top_aesthetic", "Highest aesthetic scores", data.top),
-                              ("bottom_aesthetic", "Lowest aesthetic scores", data.bottom)):
+                              ("bottom_aesthetic", "Lowest aesthetic scores", data.bottom),
+                              ("top_watermark", "Highest watermark scores (pwatermark)", data.top_watermark)):
         if items:
             parts += [f"<h3>{title}</h3>", f'<div id="{pid}">',
                       *[_thumb(data, k, f"{k}: {s:.3f}") for k, s in items], "</div>"]
+    if data.synthetic_lengths.size:
+        parts.append("<h3>Synthetic captions</h3>")
+        top = max(data.synthetic_lengths.max(), data.original_lengths.max() if data.original_lengths.size else 0)
+        for pid, values, title in (("synthetic_caption_lengths", data.synthetic_lengths, "Synthetic caption length"),
+                                   ("original_caption_lengths", data.original_lengths, "Original caption length")):
+            if values.size:  # the same bins for both, so they compare
+                png = hist(values, title, "characters", "captions", value_range=(0.0, float(top) or 1.0))
+                parts.append(f'<figure id="{pid}"><img src="data:image/png;base64,{png}" alt="{title}">'
+                             f"<figcaption>{title} ({values.size:,} captions read)</figcaption></figure>")
+        parts += ['<div id="captions">', *[_thumb(data, k, f"VLM: {syn} | src: {orig}") for k, syn, orig in data.captioned],
+                  "</div>"]
     if data.duplicates:
         parts += [f"<h3>Duplicates ({data.duplicates:,}; the first {len(data.pairs)})</h3>", '<table id="duplicates">',
                   row(["dropped", "kept", "reason", "similarity"], header=True)]

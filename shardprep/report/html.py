@@ -35,10 +35,12 @@ def empty(ax, what: str) -> None:
     ax.set_yticks([])
 
 
-def hist(values: np.ndarray, title: str, xlabel: str, what: str, bins: int = 40) -> str:
+def hist(values: np.ndarray, title: str, xlabel: str, what: str, bins: int = 40,
+         value_range: tuple[float, float] | None = None) -> str:
+    """``value_range``: the bins' span (two histograms meant to be compared share one)."""
     fig, ax = figure()
     if values.size:
-        ax.hist(values, bins=bins, color="#55a868")
+        ax.hist(values, bins=bins, range=value_range, color="#55a868")
         ax.ticklabel_format(axis="x", useOffset=False)  # norms sit near 1: show 0.9999, not "+1"
         ax.set_xlabel(xlabel)
         ax.set_ylabel("samples")

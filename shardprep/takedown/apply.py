@@ -147,8 +147,9 @@ def _filter_parquet(url: str, drop: Callable[[str], bool], key_col: str) -> tupl
     return removed, len(mask) > removed
 
 
-def _embeddings(layout: Layout, shard: str, drop, **_) -> int:
-    meta = layout.emb_metadata(shard)
+def _embedding_rows(meta: str, arrays: tuple[str, ...], drop) -> int:
+    """Rows of clip-retrieval's layout (``meta``'s ``image_path`` row for row with the npy ``arrays``)
+    that ``drop`` names, removed from all of them."""
     if not storage.exists(meta):
         return 0
     keys = storage.read_parquet(meta, ["image_path"]).column("image_path").to_pylist()
@@ -156,14 +157,18 @@ def _embeddings(layout: Layout, shard: str, drop, **_) -> int:
     if mask.all():
         return 0
     if not mask.any():  # nothing left: no files, as write_clip_embeddings leaves for an empty shard
-        for url in (layout.img_emb(shard), layout.text_emb(shard), meta):
+        for url in (*arrays, meta):
             storage.remove(url)
         return len(keys)
-    for url in (layout.img_emb(shard), layout.text_emb(shard)):
+    for url in arrays:
         if storage.exists(url):
             storage.write_npy(url, np.ascontiguousarray(storage.read_npy(url)[mask]))
     _filter_parquet(meta, drop, "image_path")
     return int((~mask).sum())
+
+
+def _embeddings(layout: Layout, shard: str, drop, **_) -> int:
+    return _embedding_rows(layout.emb_metadata(shard), (layout.img_emb(shard), layout.text_emb(shard)), drop)
 
 
 def _reordered(layout: Layout, shard: str, drop, keys: set[str], index_width: int, **_) -> int:
@@ -188,6 +193,11 @@ def _scores(layout: Layout, shard: str, drop, **_) -> int:
 
 def _captions(layout: Layout, shard: str, drop, **_) -> int:
     return _filter_parquet(layout.captions(shard), drop, "key")[0]
+
+
+def _training_text(layout: Layout, shard: str, drop, **_) -> int:
+    _embedding_rows(layout.train_text_metadata(shard), (layout.train_text_emb(shard),), drop)
+    return _filter_parquet(layout.training_text(shard), drop, "key")[0]
 
 
 def _diffusion(layout: Layout, shard: str, drop, **_) -> int:
@@ -234,6 +244,7 @@ REMOVERS: dict[str, Callable[..., int]] = {
     "reordered_embeddings": _reordered,
     "image_scores": _scores,
     "captions": _captions,
+    "training_text": _training_text,
     "diffusion_samples": _diffusion,
     "video_diffusion_samples": _diffusion,
 }
