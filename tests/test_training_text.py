@@ -24,6 +24,7 @@ from shardprep.training_text import choose, takes_synthetic, write_training_text
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.tiny_blip import build_tiny_blip
+from tests.test_watermark import detector_files  # noqa: F401 - the module's fixture, shared
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +164,10 @@ def _energon_captions(dataset_dir: str) -> dict[str, str]:
 
 
 def test_pipeline_trains_on_synthetic_captions_and_a_new_choice_redoes_only_the_text(
-        tmp_path, image_site, tiny_clip_dir, tiny_nemo_dirs, blip_dir):
-    from shardprep.tars import iter_samples
+        tmp_path, image_site, tiny_clip_dir, tiny_nemo_dirs, blip_dir, detector_files):  # noqa: F811
+    """The issue's whole config: watermark_model, captioner and train_caption: synthetic."""
+    from shardprep import pixels
+    from shardprep.tars import iter_samples, sample_keys
     from shardprep.verify import verify_shard
     from shardprep_dagster.definitions import build_defs
     from shardprep_dagster.orchestration.runner import run_pipeline
@@ -174,6 +177,7 @@ def test_pipeline_trains_on_synthetic_captions_and_a_new_choice_redoes_only_the_
     fields = dict(source=f"{src}/*.parquet", output_root=str(tmp_path / "out"), samples_per_shard=8, image_size=32,
                   allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}", batch_size=8, tar_chunk_size=4,
                   captioner=blip_dir, caption_max_new_tokens=6, caption_batch_size=4, train_caption="synthetic",
+                  watermark_model=detector_files[1],
                   **nemo_config(tiny_nemo_dirs))
     layout = Layout(fields["output_root"])
     config = tmp_path / "c.yaml"
@@ -189,10 +193,16 @@ def test_pipeline_trains_on_synthetic_captions_and_a_new_choice_redoes_only_the_
     home = tmp_path / "home"
     home.mkdir()
     with dg.instance_for_test(temp_dir=str(home)) as instance:
+        decodes = pixels.DECODES
         first = run_pipeline(write_config(config, **fields), instance=instance, progress=False, in_process=True)
         assert first.ok, first.failed
         shards = sorted(p.stem for p in Path(layout.images_dir).glob("*.tar"))
         assert shards == ["00000", "00001"]
+        # CLIP, the watermark detector and the captioner from one decode of each image
+        assert pixels.DECODES - decodes == sum(len(sample_keys(layout.tar(s))) for s in shards)
+        for shard in shards:
+            scores = pq.read_table(layout.scores(shard)).column("pwatermark").to_pylist()
+            assert scores and all(0.0 <= p <= 1.0 for p in scores)
         cfg = config_from_dict(dict(fields))
         synthetic_of = {}
         for shard in shards:
@@ -320,7 +330,6 @@ def test_pipeline_trains_on_synthetic_captions_and_a_new_choice_redoes_only_the_
 
         # a takedown takes the sample out of the training text and the prior's text rows too
         from shardprep.takedown.apply import takedown_shard
-        from shardprep.tars import sample_keys
 
         gone = sample_keys(layout.tar("00000"))[0]
         rows_before = pq.read_metadata(layout.train_text_metadata("00000")).num_rows
