@@ -208,8 +208,14 @@ class PixelPass:
                 record["watermark"] = watermark_input(decoded, reduced)
             except Exception as e:  # noqa: BLE001 - a bad image is a recorded skip
                 record["watermark"] = e
-        if self.captioner is not None:
-            record["image"] = error if error is not None else decoded.rgb
+        if self.captioner is not None:  # its processor's per-image work here too, in the decode thread
+            try:
+                if error is not None:
+                    raise error
+                prepare = getattr(self.captioner, "prepare", lambda image: image)
+                record["image"] = prepare(decoded.rgb)
+            except Exception as e:  # noqa: BLE001 - a bad image is a recorded skip
+                record["image"] = e
         self._steps.setdefault(n, {})[row] = record  # one row per thread: no lock needed
         return item
 

@@ -58,6 +58,13 @@ def test_captions_are_transformers_own_and_a_prompt_is_stripped(blip_dir):
     assert got == [normalise(t[len("a photograph of"):]) for t in echoed]
     # batched as the pipeline batches: the same captions (greedy, per image)
     assert captioner.generate(images[:2], None, 12) + captioner.generate(images[2:], None, 12) == want
+    # BLIP's processor per image in the decode threads (``prepare``): the batch call's pixels, the same captions
+    assert captioner.per_image
+    prepared = [captioner.prepare(im) for im in images]
+    batch = captioner.processor(images=images, return_tensors="np")["pixel_values"]
+    assert all((p == row).all() for p, row in zip(prepared, batch, strict=True))
+    assert captioner.generate(prepared, None, 12) == want
+    assert captioner.generate(prepared, "A photograph of", 12) == got
 
 
 def test_a_model_that_cannot_be_loaded_is_named(tmp_path, blip_dir):
@@ -250,6 +257,8 @@ def test_a_chat_vlm_captions_as_transformers_does_batched_left_padded(qwen_dir):
     assert type(captioner.model).__name__ == "Qwen2VLForConditionalGeneration"
     assert captioner.processor.tokenizer.padding_side == "left"
     images = _shaped_images(5)
+    # its processor sees the whole batch (patch grids of several sizes): prepare leaves the image as it is
+    assert not captioner.per_image and captioner.prepare(images[0]) is images[0]
     want = _chat_reference(qwen_dir, [[im] for im in images], "Describe this image.", 10)
     assert len(set(want)) > 1 and all(want)
     # the default prompt is "Describe this image."; one batch of different lengths, padded on the left

@@ -60,7 +60,9 @@ def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | Non
         return {"key": sample["__key__"], "caption": None, "original_caption": sample_text(sample),
                 "model": captioner.name, "prompt": prompt, "skip_reason": None}
 
-    return caption_in_batches(iter_samples(tar_url), row_of, _decode,
+    # the processor's per-image work (resize, normalise) in the decode threads too, where it allows
+    prepare = getattr(captioner, "prepare", lambda image: image)
+    return caption_in_batches(iter_samples(tar_url), row_of, lambda s: prepare(_decode(s)),
                               lambda images: captioner.generate(images, prompt, max_new_tokens), batch_size, threads)
 
 

@@ -79,7 +79,32 @@ class Captioner:
         any number of image entries; a model without one (BLIP) takes one image per caption."""
         return self.chat
 
+    @property
+    def per_image(self) -> bool:
+        """Its processor makes each image's tensor on its own, of one fixed size (BLIP's): ``prepare`` can
+        run in the decode threads, leaving the model's thread only the batching. Other processors (chat
+        VLMs' variable patch grids, BLIP-2's query tokens in the text) see the whole batch."""
+        return type(self.processor).__name__ == "BlipProcessor"
+
+    def prepare(self, image):
+        """``image`` (PIL) as ``generate`` takes it, made in the caller's thread: with a ``per_image``
+        processor its pixel values (float32 [C, H, W], exactly the batch call's row), else the RGB image."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        if not self.per_image:
+            return rgb
+        return self.processor.image_processor(rgb, return_tensors="np")["pixel_values"][0]
+
     def _inputs(self, images: list, prompt: str | None):
+        import numpy as np
+
+        if images and isinstance(images[0], np.ndarray):  # prepared in the decode threads (``prepare``)
+            import torch
+            from transformers import BatchFeature
+
+            # the text as BlipProcessor tokenises it (no token_type_ids: generate refuses them)
+            text = {} if prompt is None else dict(self.processor.tokenizer(
+                [prompt] * len(images), padding=True, return_token_type_ids=False, return_tensors="pt"))
+            return BatchFeature({"pixel_values": torch.from_numpy(np.stack(images)), **text})
         if self.chat:
             text = self._chat_text(prompt or DEFAULT_CHAT_PROMPT)
             return self.processor(images=images, text=[text] * len(images), return_tensors="pt", padding=True)
@@ -95,10 +120,11 @@ class Captioner:
         return template(messages, add_generation_prompt=True)
 
     def generate(self, images: list, prompt: str | None = None, max_new_tokens: int = 30) -> list[str]:
-        """One caption per PIL image of ``images`` (one batch: the caller batches), greedy."""
+        """One caption per image of ``images``: PIL images, or what ``prepare`` made of them (one batch: the
+        caller batches), greedy."""
         if not images:
             return []
-        rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
+        rgb = [im if not hasattr(im, "mode") or im.mode == "RGB" else im.convert("RGB") for im in images]
         texts = self._generate(self._inputs(rgb, prompt), max_new_tokens)
         if prompt is not None and not self.chat:
             echoed = self._rendered(prompt)
