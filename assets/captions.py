@@ -84,6 +84,21 @@ def sheet_metadata(layout, key: str, rows: list[dict], n: int = SHEET_IMAGES, me
         return {"captions_sheet": dg.MetadataValue.text(f"(no contact sheet: {type(e).__name__}: {e})")}
 
 
+def captions_metadata(layout, cfg, key: str, report, media: str, device_name: str, status: str = "written") -> dict:
+    """The materialization metadata of a shard's captions, from ``write_captions``' report and the file it
+    wrote (also ``assets.pixels``, for captions made from the clip step's decode)."""
+    meta: dict = {"status": status, "media": media, "samples": report.samples, "captioned": report.captioned,
+                  "skipped": len(report.skipped), "seconds": round(report.seconds, 3),
+                  "path": dg.MetadataValue.path(layout.captions(key)), "dagster/row_count": report.samples,
+                  "device": device_name, "model": cfg.captioner or "", "prompt": cfg.caption_prompt or "(none)"}
+    if report.skipped:
+        meta["skipped_samples"] = dg.MetadataValue.json(report.skipped[:20])
+    rows = read_parquet(layout.captions(key)).to_pylist()
+    meta.update({k: dg.MetadataValue.md(v) for k, v in length_histograms(rows).items()})
+    meta.update(sheet_metadata(layout, key, rows, media=media))
+    return meta
+
+
 @dg.asset(
     **from_record("captions"),
     kinds={"parquet"},
@@ -115,17 +130,7 @@ def captions(context: dg.AssetExecutionContext, config: ShardRunConfig, dataset:
             status = "written"
             if media == "video" and not captioner.multi_image:
                 status = f"written, video captions unsupported ({unsupported_reason(captioner)})"
-            meta: dict = {"status": status, "media": media, "samples": report.samples,
-                          "captioned": report.captioned, "skipped": len(report.skipped),
-                          "seconds": round(report.seconds, 3),
-                          "path": dg.MetadataValue.path(layout.captions(key)), "dagster/row_count": report.samples,
-                          "device": device().name, **described}
-            if report.skipped:
-                meta["skipped_samples"] = dg.MetadataValue.json(report.skipped[:20])
-            rows = read_parquet(layout.captions(key)).to_pylist()
-            meta.update({k: dg.MetadataValue.md(v) for k, v in length_histograms(rows).items()})
-            meta.update(sheet_metadata(layout, key, rows, media=media))
-            return meta
+            return captions_metadata(layout, cfg, key, report, media, device().name, status)
 
         return materialize_shards(context, dataset, "captions", caption, rebuild=config.rebuild,
                                   describe=lambda key: described)

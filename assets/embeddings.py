@@ -25,10 +25,6 @@ from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
 
-def _with_text(cfg) -> bool:
-    return cfg.enable_text and cfg.caption_col is not None
-
-
 def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str,
                 pixels: Callable[[str], PixelPass | None] | None = None) -> dict:
     """clip_embeddings' work on one shard with a loaded ``encoder`` on ``device`` (also run by
@@ -38,7 +34,7 @@ def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str,
         return {"status": "no samples (shard has no tar)", "samples": 0, "model": clip.spec}
     shared = pixels(key) if pixels is not None else None
     report = write_clip_embeddings(key, layout, encoder, batch_size=clip.effective_batch_size,
-                                   enable_text=_with_text(cfg), pixels=shared)
+                                   enable_text=cfg.text_embeddings, pixels=shared)
     meta = {"status": "written", "model": clip.spec, "device": device, "samples": report.samples, "dim": report.dim,
             "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
             "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
@@ -75,7 +71,7 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
         result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,
                                     describe=lambda key: {"model": clip.spec},
                                     check=("rows_match_samples",
-                                           lambda key: check_clip_embeddings(layout, key, _with_text(cfg))),
+                                           lambda key: check_clip_embeddings(layout, key, cfg.text_embeddings)),
                                     on_done=sharing.finish if sharing else None)
         leased = device(lease=False)
     name = leased.name if leased else "(none: every shard was embedded following its download)"

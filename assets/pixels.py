@@ -26,7 +26,6 @@ from shardprep.models.captioner import load_captioner
 from shardprep.models.devices import Device
 from shardprep.models.watermark import load_watermark_model
 from shardprep.pixels import PixelPass, write_caption_rows
-from shardprep.storage import read_parquet
 from shardprep.versions import read_stamp
 from shardprep_dagster.assets.shard_runs import FOLLOWED, REBUILD_TAG, write_one
 from shardprep_dagster.resources.dataset import DatasetResource
@@ -85,9 +84,8 @@ class Sharing:
         todo, pixels = self.pending.pop(key, ((), None))
         layout, cfg = self.dataset.layout, self.dataset.config
         for artifact in todo:
-            # clip_embeddings' blocking check, with text as that asset has it (assets.embeddings._with_text)
-            with_text = cfg.enable_text and cfg.caption_col is not None
-            if artifact == "image_scores" and not check_clip_embeddings(layout, key, with_text).passed:
+            # clip_embeddings' blocking check, as that asset runs it
+            if artifact == "image_scores" and not check_clip_embeddings(layout, key, cfg.text_embeddings).passed:
                 continue  # its step will not run on this shard either
             version = self.dataset.versions[artifact]
             write = {"captions": self._captions, "image_scores": self._scores}[artifact]
@@ -97,22 +95,12 @@ class Sharing:
                 FOLLOWED[(artifact, key, version)] = {**result, "decoded": "once, with clip_embeddings"}
 
     def _captions(self, key: str, pixels: PixelPass) -> dict:
-        # the captions asset's figures (assets.captions.captions), from the pass's rows
-        from shardprep_dagster.assets.captions import length_histograms, sheet_metadata
+        # the captions asset's figures, from the pass's rows
+        from shardprep_dagster.assets.captions import captions_metadata
 
-        cfg, layout = self.dataset.config, self.dataset.layout
+        layout = self.dataset.layout
         report = write_caption_rows(key, layout, pixels.caption_rows)
-        meta: dict = {"status": "written", "samples": report.samples, "captioned": report.captioned,
-                      "skipped": len(report.skipped), "seconds": round(report.seconds, 3),
-                      "path": dg.MetadataValue.path(layout.captions(key)), "dagster/row_count": report.samples,
-                      "device": self.device().name, "media": "image", "model": cfg.captioner or "",
-                      "prompt": cfg.caption_prompt or "(none)"}
-        if report.skipped:
-            meta["skipped_samples"] = dg.MetadataValue.json(report.skipped[:20])
-        rows = read_parquet(layout.captions(key)).to_pylist()
-        meta.update({k: dg.MetadataValue.md(v) for k, v in length_histograms(rows).items()})
-        meta.update(sheet_metadata(layout, key, rows))
-        return meta
+        return captions_metadata(layout, self.dataset.config, key, report, "image", self.device().name)
 
     def _scores(self, key: str, pixels: PixelPass) -> dict:
         from shardprep_dagster.assets.scores import score_models, score_shard

@@ -37,7 +37,6 @@ def training_text(context: dg.AssetExecutionContext, config: ShardRunConfig, dat
     ``train_caption`` redoes this, those and the precached encodings, never a download or an image latent.
     In the graph only when ``train_caption`` is not ``original``."""
     cfg, layout = dataset.config, dataset.layout
-    with_text = cfg.enable_text and cfg.caption_col is not None
 
     # the CLIP text tower (a device leased) only at the first shard with embeddings to match
     with gpu_device_when_needed(context, dataset) as device:
@@ -51,7 +50,7 @@ def training_text(context: dg.AssetExecutionContext, config: ShardRunConfig, dat
             if not report.samples:
                 write_prior_text(key, layout)  # removes stale files
                 return {"status": "no samples (shard has no tar)", "samples": 0, "train_caption": cfg.train_caption}
-            encoder = clip.encoder(device().torch_device) if with_text and exists(layout.img_emb(key)) else None
+            encoder = clip.encoder(device().torch_device) if cfg.text_embeddings and exists(layout.img_emb(key)) else None
             prior_rows = write_prior_text(key, layout, encoder)
             return {"status": "written", "train_caption": cfg.train_caption, "samples": report.samples,
                     "synthetic": report.synthetic, "original": report.samples - report.synthetic,

@@ -276,6 +276,11 @@ class DatasetConfig(BaseModel):
         return oom_sample_per_shard(self.samples_per_shard)
 
     @property
+    def text_embeddings(self) -> bool:
+        """clip_embeddings embeds the captions too (``enable_text``, and a caption column to embed)."""
+        return self.enable_text and self.caption_col is not None
+
+    @property
     def synthetic_text(self) -> bool:
         """The training outputs take (some of) their text from the synthetic captions (``training_text``)."""
         return self.train_caption != "original"

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from shardprep.clip_samples import IMAGE_EXTS, image_ext, prepare_sample
+from shardprep.curation.caption_batches import decode_failure, sample_text
 from shardprep.models.clip import draft_target, resize_crop
 from shardprep.models.watermark import SIZE as WATERMARK_SIZE
 from shardprep.models.watermark import WatermarkScores, watermark_pixels
@@ -139,15 +140,6 @@ def watermark_input(decoded: Decoded, reduced: dict[int, Any] | None = None) -> 
     return watermark_pixels(source_for(decoded, (WATERMARK_SIZE, WATERMARK_SIZE), {} if reduced is None else reduced))
 
 
-def _failure(e: BaseException) -> str:
-    return f"image decode failed: {type(e).__name__}: {e}"  # the watermark's and the captioner's wording
-
-
-def _original_caption(sample: dict) -> str | None:
-    data = sample.get("txt")
-    return None if data is None else data.decode("utf-8", errors="replace")
-
-
 @dataclass
 class PixelPass:
     """The watermark detector and the captioner fed from CLIP's decode threads
@@ -200,7 +192,7 @@ class PixelPass:
 
         # CLIP never looks at an image it skips for its caption; the other models still need it
         item = prepare_sample(sample, encoder, enable_text, url, out, image_of=clip_image)
-        record: dict = {"key": sample["__key__"], "original": _original_caption(sample)}
+        record: dict = {"key": sample["__key__"], "original": sample_text(sample)}
         if self.detector is not None:
             try:
                 if error is not None:
@@ -212,8 +204,7 @@ class PixelPass:
             try:
                 if error is not None:
                     raise error
-                prepare = getattr(self.captioner, "prepare", lambda image: image)
-                record["image"] = prepare(decoded.rgb)
+                record["image"] = self.captioner.prepare(decoded.rgb)
             except Exception as e:  # noqa: BLE001 - a bad image is a recorded skip
                 record["image"] = e
         self._steps.setdefault(n, {})[row] = record  # one row per thread: no lock needed
@@ -250,7 +241,7 @@ class PixelPass:
         for r in batch:
             self._wm_keys.append(r["key"])
             if isinstance(r["watermark"], BaseException):
-                self._wm_skipped.append({"key": r["key"], "reason": _failure(r["watermark"])})
+                self._wm_skipped.append({"key": r["key"], "reason": decode_failure(r["watermark"])})
         if at:
             out[at] = self.detector(np.stack([batch[i]["watermark"] for i in at]))
         self._wm_scores.append(out)
@@ -262,7 +253,7 @@ class PixelPass:
             row = {"key": r["key"], "caption": None, "original_caption": r["original"], "model": self.captioner.name,
                    "prompt": self.prompt, "skip_reason": None}
             if isinstance(r["image"], BaseException):
-                row["skip_reason"] = _failure(r["image"])
+                row["skip_reason"] = decode_failure(r["image"])
             else:
                 images.append(r["image"])
                 at.append(len(self.caption_rows))

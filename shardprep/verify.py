@@ -552,7 +552,7 @@ def check_video_shards(t: Target) -> Findings:
 
 
 def check_clip_embeddings(t: Target) -> Findings:
-    return verify_clip_embeddings(t.layout, t.shard, t.cfg.enable_text and t.cfg.caption_col is not None)
+    return verify_clip_embeddings(t.layout, t.shard, t.cfg.text_embeddings)
 
 
 def check_reordered_embeddings(t: Target) -> Findings:

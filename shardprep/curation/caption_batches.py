@@ -16,6 +16,11 @@ def sample_text(sample: dict) -> str | None:
     return None if data is None else data.decode("utf-8", errors="replace")
 
 
+def decode_failure(e: BaseException, what: str = "image") -> str:
+    """The skip reason of an input that cannot be decoded (the captions' and the watermark scores' wording)."""
+    return f"{what} decode failed: {type(e).__name__}: {e}"
+
+
 def caption_in_batches(samples: Iterator[dict], row_of: Callable[[dict], dict], decode: Callable[[dict], Any],
                        generate: Callable[[list], list[str]], batch_size: int, threads: int = 0,
                        what: str = "image") -> list[dict]:
@@ -31,7 +36,7 @@ def caption_in_batches(samples: Iterator[dict], row_of: Callable[[dict], dict], 
                 inputs.append(decoded.result())
                 at.append(len(rows))
             except Exception as e:  # noqa: BLE001 - a bad input is a recorded skip
-                row["skip_reason"] = f"{what} decode failed: {type(e).__name__}: {e}"
+                row["skip_reason"] = decode_failure(e, what)
             rows.append(row)
         if inputs:
             for i, text in zip(at, generate(inputs), strict=True):

@@ -21,7 +21,7 @@ import io
 import time
 from dataclasses import dataclass, field
 
-from shardprep.clip_samples import IMAGE_EXTS
+from shardprep.clip_samples import IMAGE_EXTS, image_ext
 from shardprep.curation.caption_batches import caption_in_batches, sample_text
 from shardprep.layout import Layout
 from shardprep.storage import exists, read_parquet, remove, write_parquet
@@ -41,18 +41,17 @@ class CaptionsReport:
 def _decode(sample: dict):
     from PIL import Image
 
-    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    ext = image_ext(sample)
     if ext is None:
         raise ValueError("no image member (" + "/".join(IMAGE_EXTS) + ")")
     with Image.open(io.BytesIO(sample[ext])) as im:
         return im.convert("RGB")  # loads the pixels: a truncated file fails here, in the pool
 
 
-
 def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | None = None,
                 max_new_tokens: int = 30, threads: int = 0) -> list[dict]:
     """A row (``COLUMNS``) per sample of the webdataset tar at ``tar_url``, in tar order; ``captioner``:
-    a ``models.captioner.Captioner`` (anything with its ``generate`` and ``name``); ``threads``: decode
+    a ``models.captioner.Captioner`` (its ``prepare``, ``generate`` and ``name``); ``threads``: decode
     threads (0: one per core)."""
     from shardprep.tars import iter_samples
 
@@ -61,8 +60,7 @@ def caption_tar(tar_url: str, captioner, batch_size: int = 16, prompt: str | Non
                 "model": captioner.name, "prompt": prompt, "skip_reason": None}
 
     # the processor's per-image work (resize, normalise) in the decode threads too, where it allows
-    prepare = getattr(captioner, "prepare", lambda image: image)
-    return caption_in_batches(iter_samples(tar_url), row_of, lambda s: prepare(_decode(s)),
+    return caption_in_batches(iter_samples(tar_url), row_of, lambda s: captioner.prepare(_decode(s)),
                               lambda images: captioner.generate(images, prompt, max_new_tokens), batch_size, threads)
 
 

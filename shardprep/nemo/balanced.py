@@ -42,6 +42,7 @@ from shardprep import storage
 from shardprep.errors import ShardprepError
 from shardprep.layout import Layout
 from shardprep.tars import INCOMPLETE_SUFFIX, TarWriter, header_samples, numbered_tars, read_payloads
+from shardprep.training_text import train_text
 
 STATE_NAME = "state.json"
 STATE_VERSION = 2
@@ -213,8 +214,6 @@ class _Samples:
 
 def _train_txt(members: dict[str, bytes]) -> None:
     """The sample's ``.txt`` replaced by the caption its json says it trains with (none: kept)."""
-    from shardprep.training_text import train_text
-
     try:
         meta = json.loads(members["json"]) if "json" in members else {}
     except ValueError:

@@ -38,7 +38,7 @@ from shardprep.clip_samples import IMAGE_EXTS
 from shardprep.encode import encode_tar, finish, input_missing, positive_int
 from shardprep.layout import Layout
 from shardprep.models.nemo import preprocess_image
-from shardprep.tars import MemberHeader, TarWriter, header_samples, iter_members, read_payloads
+from shardprep.tars import MemberHeader, TarWriter, header_samples, read_payloads
 from shardprep.training_text import train_text
 
 if TYPE_CHECKING:
@@ -135,30 +135,22 @@ def _old_latents(url: str) -> dict[str, tuple[str, MemberHeader]]:
 
 
 def _prepare(sample: dict, resolution: int, url: str, synthetic_text: bool = False,
-             reusable: Callable[[str, bytes], str | None] | None = None) -> dict:
+             latent_of: Callable[[bytes], str] | None = None, held: dict | None = None) -> dict:
     """Decode + preprocess one sample (worker thread); a bad sample becomes a failure record.
-    ``reusable(key, image)``: the latent id when the existing tar holds this image's latent (then it is
-    not decoded), else None."""
+    ``latent_of(image)``: its ``latent_id``; ``held``: ``_old_latents`` of the tar being replaced (a sample
+    whose latent it holds is not decoded: ``"reused"``)."""
     key, parsed = sample["__key__"], parse_sample(sample, url, IMAGE_EXTS, "image", synthetic_text)
     if isinstance(parsed, dict):
         return parsed
     ext, caption, meta = parsed
-    if reusable is not None:
-        lid = reusable(key, sample[ext])
-        if lid is not None:
-            return {"key": key, "reused": lid, "caption": caption, "meta": meta}
+    lid = latent_of(sample[ext]) if latent_of is not None else None
+    item = {"key": key, "caption": caption, "meta": meta, "latent_id": lid}
+    if held and key in held and held[key][0] == lid:
+        return {**item, "reused": True}
     try:
-        tensor = preprocess_image(sample[ext], resolution)
+        return {**item, "tensor": preprocess_image(sample[ext], resolution)}
     except Exception as e:  # noqa: BLE001 - a bad image is a recorded failure, never a crash
         return {"key": key, "reason": f"image decode/preprocess failed: {type(e).__name__}: {e}"}
-    return {"key": key, "tensor": tensor, "caption": caption, "meta": meta, "image": sample[ext]}
-
-
-def _first_pth(f, url: str) -> bytes:
-    for name, payload in iter_members(f, url):
-        if name.endswith(".pth"):
-            return payload
-    raise ValueError(f"{url}: no .pth member")
 
 
 def pth_bytes(latent) -> bytes:
@@ -198,12 +190,9 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
     # text alone changed (train_caption) encodes the T5 states again, never an image
     old = _old_latents(out_url) if reuse_latents else {}
 
-    def reusable(key: str, image: bytes) -> str | None:
-        held = old.get(key)
-        return held[0] if held is not None and held[0] == latent_id(image, vae.path, resolution) else None
-
     def prepare(sample: dict) -> dict:
-        return _prepare(sample, resolution, in_url, synthetic_text, reusable if old else None)
+        return _prepare(sample, resolution, in_url, synthetic_text,
+                        lambda image: latent_id(image, vae.path, resolution), old)
 
     def encode(ready: list[dict], out: TarWriter, old_file) -> None:
         fresh = [it for it in ready if "tensor" in it]
@@ -212,12 +201,14 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
         for it, txt in zip(ready, texts):
             if "tensor" in it:
                 lat = next(made).to(torch.bfloat16).unsqueeze(1)  # [C, T=1, h, w]; checked as stored
-                problem, lid = latent_problem(lat), latent_id(it["image"], vae.path, resolution)
-            else:  # checked when it was first written
+                problem = latent_problem(lat)
+            else:  # reused: checked when it was first written
                 header = old[it["key"]][1]
                 old_file.seek(header.data_offset)
-                lat, problem, lid = old_file.read(header.size), None, it["reused"]
+                lat, problem = old_file.read(header.size), None
                 report.latents_reused += 1
+                if report.latent_shape is None:  # every latent of a shard has one shape
+                    report.latent_shape = list(torch.load(io.BytesIO(lat), weights_only=True).shape)
             if problem is None and not np.isfinite(txt).all():
                 problem = "T5 text states have NaN/Inf values"
             if problem is not None:
@@ -226,7 +217,7 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
             meta = {"image_height": resolution, "image_width": resolution,
                     "aesthetic_score": aesthetic_score({**it["meta"], **(scores or {}).get(it["key"], {})}),
                     "caption": it["caption"],
-                    "source_key": it["key"], "latent_id": lid}
+                    "source_key": it["key"], "latent_id": it["latent_id"]}
             out.add(it["key"], {
                 ".json": json.dumps(meta),
                 ".pickle": pickle.dumps(txt),
@@ -242,9 +233,6 @@ def write_diffusion_samples(shard: str, layout: Layout, t5: "T5TextEncoder", vae
         done = encode_tar(in_url, out_url, prepare, lambda ready, out: encode(ready, out, old_file),
                           batch_size=batch_size, threads=_DECODE_THREADS, in_flight=2 * batch_size,
                           failures=report.failures)
-    if report.latent_shape is None and report.latents_reused:
-        with storage.open_read(out_url) as f:  # every latent kept: the shape from one of them
-            report.latent_shape = list(torch.load(io.BytesIO(_first_pth(f, out_url)), weights_only=True).shape)
     report.input_samples, report.samples = done.read, done.written
     report.tar_written, report.tar_bytes = done.written > 0, done.tar_bytes
     return finish(report, start)

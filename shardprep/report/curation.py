@@ -53,8 +53,9 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
 
     data = CurationData()
     keys, aesthetic, nsfw, watermark, watermark_keys = [], [], [], [], []
+    lengths: dict[str, list[int]] = {"synthetic": [], "original": []}
     for shard in shards:
-        _read_captions(layout, shard, rows_per_shard, data)
+        _read_captions(layout, shard, rows_per_shard, data, lengths)
         url = layout.scores(shard)
         if not storage.exists(url):
             continue
@@ -68,6 +69,8 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
         if "pwatermark" in t.column_names:
             watermark_keys += t.column("key").to_pylist()
             watermark.append(t.column("pwatermark").to_numpy(zero_copy_only=False))
+    data.synthetic_lengths = np.array(lengths["synthetic"], dtype=np.float64)
+    data.original_lengths = np.array(lengths["original"], dtype=np.float64)
     if aesthetic:
         data.aesthetic = np.concatenate(aesthetic).astype(np.float64)
         order = [i for i in np.argsort(data.aesthetic) if np.isfinite(data.aesthetic[i])]
@@ -91,18 +94,18 @@ def collect_curation(layout: Layout, shards: list[str], rows_per_shard: int) -> 
     return data
 
 
-def _read_captions(layout: Layout, shard: str, rows_per_shard: int, data: CurationData) -> None:
-    """The shard's synthetic captions (``captions``): lengths of the rows read, the first few for the sheet."""
+def _read_captions(layout: Layout, shard: str, rows_per_shard: int, data: CurationData,
+                   lengths: dict[str, list[int]]) -> None:
+    """The shard's synthetic captions (``captions``): the lengths of the rows read added to ``lengths``,
+    the first few for the sheet to ``data``."""
     url = layout.captions(shard)
     if not storage.exists(url):
         return
     t = storage.read_parquet(url, ["key", "caption", "original_caption"])
     t = t.take(spaced(t.num_rows, rows_per_shard))
     rows = t.to_pylist()
-    lengths = {"synthetic": [len(r["caption"]) for r in rows if r["caption"] is not None],
-               "original": [len(r["original_caption"]) for r in rows if r["original_caption"] is not None]}
-    data.synthetic_lengths = np.concatenate([data.synthetic_lengths, lengths["synthetic"]])
-    data.original_lengths = np.concatenate([data.original_lengths, lengths["original"]])
+    lengths["synthetic"] += [len(r["caption"]) for r in rows if r["caption"] is not None]
+    lengths["original"] += [len(r["original_caption"]) for r in rows if r["original_caption"] is not None]
     for r in rows:
         if len(data.captioned) >= THUMBS:
             break
