@@ -63,12 +63,16 @@ def _mtime(path: str) -> float:
         return 0
 
 
-def _state(instance: dg.DagsterInstance) -> tuple[int, int, int]:
-    """(runs in flight, runs finished, backfills active): three counts whose change means the daemons have
-    something to do (a run to launch, a finished run's downstream to request, a backfill to start)."""
+def _state(instance: dg.DagsterInstance) -> tuple[int, int, int, int]:
+    """(runs in flight, runs finished, backfills active, backfills ever): counts whose change means the
+    daemons have something to do (a run to launch, a finished run's downstream to request, a backfill to
+    start). The last one because a backfill added as another completes leaves the active count as it was:
+    `shardprep run` launches its unpartitioned assets' backfill just as its shards' one ends, which waited
+    BUSY_POLL_SECONDS (15 s of a 2 x 10,000-row chain's ~100 s) for its first run."""
     return (instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
             instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
-            instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)))
+            instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)),
+            instance.get_backfills_count())
 
 
 def _until(poke: threading.Event, shutdown_event: threading.Event):
@@ -201,14 +205,16 @@ def serve(idle_seconds: float) -> int:
         while True:
             controller.check_daemon_threads()
             now, poked = time.monotonic(), _mtime(wake_path())
-            if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
+            woken = poked != woken_at
+            if busy.is_set() or woken or now - last_check >= IDLE_POLL_SECONDS:
                 woken_at, last_check = poked, now
                 state = _state(instance)
                 if state[0] or state[2]:
                     busy.set()
                 else:
                     busy.clear()
-                if state != seen or (busy.is_set() and now - last_poke >= BUSY_POLL_SECONDS):
+                # a client's wake-up is work just added: the daemons look at once, whatever the counts say
+                if state != seen or woken or (busy.is_set() and now - last_poke >= BUSY_POLL_SECONDS):
                     seen, last_poke = state, now
                     for poke in pokes:
                         poke.set()

@@ -22,6 +22,7 @@ from shardprep.layout import Layout
 from shardprep.ledger import Registration, register_sources
 from shardprep_dagster.assets.partitions import SHARD_PARTITIONS
 from shardprep_dagster.orchestration.instance import get_instance, instance_lock
+from shardprep_dagster.orchestration.launch import ensure_daemon
 from shardprep_dagster.orchestration.plan import Plan
 from shardprep_dagster.orchestration.recovery import recover_dead_runs
 from shardprep_dagster.orchestration.summary import RunSummary, finish
@@ -88,9 +89,13 @@ def run_pipeline(config_path: str, *, rebuild: bool = False, progress: bool = Tr
     config_path = config_url(config_path)
     # a bad config or source is named before the instance is opened (nothing to recover for it)
     cfg, _ = load_dataset(config_path)
+    instance = instance or get_instance()
+    if not in_process and getattr(instance, "root_directory", None) is not None:
+        # the queue daemon's start (its imports, its code server loading the definitions: ~3 s) overlaps
+        # registering and planning instead of following them
+        ensure_daemon(instance)
     registration = register_sources(cfg, config_path=config_path)
     state.ensure(Layout(cfg.output_root))
-    instance = instance or get_instance()
     recover_dead_runs(instance)
     plan = make_plan(config_path, instance, rebuild, registration=registration)
     if shards is not None:
