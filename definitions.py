@@ -5,11 +5,13 @@ import dagster as dg
 from shardprep.artifacts import enabled, enabled_parents
 from shardprep.storage import exists
 from shardprep_dagster.assets import batched, global_assets, per_shard_assets
-from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncoders
+from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncoders, concurrency_wait
 from shardprep_dagster.resources.dataset import load_dataset
 from shardprep_dagster.resources.executor import executor_for
 from shardprep_dagster.resources.settings import Settings, load_settings
 from shardprep_dagster.sensors import new_source_files_sensor, shard_work_sensor
+
+concurrency_wait.apply()  # a step waiting for a pool slot sleeps instead of spinning a core (Dagster 1.13)
 
 # With shard blocks a run takes a range of up to this many blocks: 6,000 blocks of 100 (LAION-5B) are
 # ~100 runs; a block's complete shards cost a run nothing (orchestration.queued.fill_gaps)
