@@ -205,16 +205,14 @@ def serve(idle_seconds: float) -> int:
         while True:
             controller.check_daemon_threads()
             now, poked = time.monotonic(), _mtime(wake_path())
-            woken = poked != woken_at
-            if busy.is_set() or woken or now - last_check >= IDLE_POLL_SECONDS:
+            if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
                 woken_at, last_check = poked, now
                 state = _state(instance)
                 if state[0] or state[2]:
                     busy.set()
                 else:
                     busy.clear()
-                # a client's wake-up is work just added: the daemons look at once, whatever the counts say
-                if state != seen or woken or (busy.is_set() and now - last_poke >= BUSY_POLL_SECONDS):
+                if state != seen or (busy.is_set() and now - last_poke >= BUSY_POLL_SECONDS):
                     seen, last_poke = state, now
                     for poke in pokes:
                         poke.set()

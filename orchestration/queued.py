@@ -190,8 +190,8 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
     bar.total = shard_progress.total
     bar.refresh()
     with Stop(raise_between=False) as stop:
+        # the daemon was started before planning (runner.run_pipeline); the follower checks it as it waits
         follower = _Follower(instance, stop, bar, shard_progress)
-        ensure_daemon(instance)
         for _ in range(MAX_ROUNDS):  # others had some in flight: what is left of them is ours
             if not todo or stop.received() is not None:
                 break
