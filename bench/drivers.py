@@ -15,6 +15,8 @@ import shutil
 import sys
 import time
 
+from measure import tree_cpu_seconds
+
 
 def _fresh(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
@@ -66,18 +68,9 @@ class _TarProgress:
                         pass
         return total
 
-    def _cpu(self) -> float:
-        import psutil
-
-        me = psutil.Process()
-        total = 0.0
-        for p in [me, *me.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+    @staticmethod
+    def _cpu() -> float:
+        return tree_cpu_seconds()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -154,68 +147,6 @@ def images_img2dataset(s: dict) -> dict:
             "failed_to_resize": rows.count("failed_to_resize"), "work_seconds": work, "steady": progress.steady()}
 
 
-def _limit_part(args) -> tuple[int, float]:
-    """One core's share of the limit loop: (images, CPU seconds of the loop alone)."""
-    files, image_size, resize_mode, quality = args
-    import cv2
-    import numpy as np
-    import simplejpeg
-
-    from shardprep.images import resize as R
-
-    assert resize_mode == "border", "the limit loop does the bench's resize_mode (border) only"
-    cv2.setNumThreads(1)
-    cache: dict[str, bytes] = {}
-    datas = []
-    for f in files:  # read before the clock starts: no I/O in the loop
-        if f not in cache:
-            with open(f, "rb") as fh:
-                cache[f] = fh.read()
-        datas.append(cache[f])
-    area, lanczos, params = cv2.INTER_AREA, cv2.INTER_LANCZOS4, [cv2.IMWRITE_JPEG_QUALITY, quality]
-    c0 = time.process_time()
-    for data in datas:
-        if data[:2] == b"\xff\xd8":  # JPEG: libjpeg-turbo DCT-scaled decode, the engine's reduction rule
-            h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-            grey = colorspace == "Gray"
-            r, _ = R._plan_reduction((w, h), "JPEG", "L" if grey else "RGB", resize_mode, image_size)
-            img = simplejpeg.decode_jpeg(data, "GRAY" if grey else "BGR", min_height=-(-h // r),
-                                         min_width=-(-w // r), min_factor=r)
-        else:  # PNG with alpha: decode, composite on white
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
-            h, w = img.shape[:2]
-            if img.ndim == 3 and img.shape[2] == 4:
-                img = R._composite_on_white(img)
-        scale = image_size / max(h, w)
-        nh, nw = R._target(h, w, scale)
-        img = cv2.resize(img, (nw, nh), interpolation=area if scale < 1 else lanczos)
-        img = R._pad_white(img, image_size)
-        cv2.imencode(".jpg", img, params)
-    return len(datas), time.process_time() - c0
-
-
-def images_limit(s: dict) -> dict:
-    """The per-core limit: the same input images through the tightest single-thread loop of the same
-    work (decode with DCT scaling as the engine plans it, area/lanczos resize to img2dataset's size,
-    white border, JPEG encode at the same quality), no network, no tar, no parquet, no EXIF or hash;
-    one such loop per process on ``processes`` cores at once, as the engine's processes run."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    import pyarrow.parquet as pq
-
-    # the rows that name one of the site's images, in row order (the broken rows name none)
-    urls = pq.read_table(s["parquet"], columns=["url"]).column("url").to_pylist()
-    prefix = s["base_url"] + "/images/"
-    files = [os.path.join(s["site_dir"], "images", u[len(prefix):]) for u in urls if u.startswith(prefix)]
-    p = s["processes"]
-    parts = [(files[i::p], s["image_size"], s["resize_mode"], s["encode_quality"]) for i in range(p)]
-    t0 = time.perf_counter()
-    with ProcessPoolExecutor(p) as pool:
-        done = list(pool.map(_limit_part, parts))
-    images, cpu = sum(n for n, _ in done), sum(c for _, c in done)
-    return {"images": images, "loop_cpu_seconds": cpu, "work_seconds": time.perf_counter() - t0}
-
-
 # --------------------------------------------------------------------------------------------
 # CLIP embeddings of webdataset tars
 
@@ -230,11 +161,11 @@ def clip_ours(s: dict) -> dict:
     encoder = load_clip_encoder(s["model"], device=s.get("device", "cpu"))
     if s.get("exact"):
         encoder = encoder.exact()
-    t0 = time.perf_counter()  # imports and the model load are done: the work starts here
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()  # imports and the model load are done: the work starts here
     samples = 0
     for shard in s["shards"]:
         samples += write_clip_embeddings(shard, layout, encoder, batch_size=s["batch_size"]).samples
-    return {"samples": samples, "work_seconds": time.perf_counter() - t0}
+    return {"samples": samples, "work_seconds": time.perf_counter() - t0, "work_cpu_seconds": tree_cpu_seconds() - c0}
 
 
 def clip_clip_retrieval(s: dict) -> dict:
@@ -247,15 +178,15 @@ def clip_clip_retrieval(s: dict) -> dict:
     # the model load clip-retrieval's mapper and worker do, with their exact arguments, so that
     # all_clip's cache serves them and the timed part below is the inference itself
     load_clip(clip_model=s["model"], use_jit=False, warmup_batch_size=s["batch_size"], clip_cache_path=None)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()
     clip_inference(input_dataset=f"{s['root']}/images/{{{first}..{last}}}.tar", output_folder=s["out"],
                    input_format="webdataset", clip_model=s["model"], num_prepro_workers=s["workers"],
                    batch_size=s["batch_size"], enable_metadata=True, use_jit=False, enable_wandb=False,
                    **s.get("extra", {}))
-    work = time.perf_counter() - t0
+    work, work_cpu = time.perf_counter() - t0, tree_cpu_seconds() - c0
     img = os.path.join(s["out"], "img_emb")
     samples = sum(np.load(os.path.join(img, f), mmap_mode="r").shape[0] for f in os.listdir(img))
-    return {"samples": samples, "work_seconds": work}
+    return {"samples": samples, "work_seconds": work, "work_cpu_seconds": work_cpu}
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,13 +220,16 @@ def _loader_epoch(make_loader, s: dict) -> dict:
                          text_embeddings_url=s["text_emb"], index_width=s["index_width"], shuffle_shards=False,
                          img_preproc=T.ToTensor(), extra_keys=["txt"])
     samples, unique = 0, set()
-    t0 = time.perf_counter()  # an epoch: worker start-up, reading, decoding, collation
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()  # an epoch: worker start-up, reading, decoding, collation
     for img, emb, txt in loader:
         samples += img.shape[0]
         unique.update(txt)
         if emb["img"].shape[0] != img.shape[0] or emb["text"].shape[0] != img.shape[0] or len(txt) != img.shape[0]:
             raise RuntimeError("batch parts disagree in length")
-    return {"samples": samples, "unique_samples": len(unique), "work_seconds": time.perf_counter() - t0}
+    work = time.perf_counter() - t0
+    del loader  # its workers have stopped at the epoch's end; reaped here, so their CPU is counted
+    return {"samples": samples, "unique_samples": len(unique), "work_seconds": work,
+            "work_cpu_seconds": tree_cpu_seconds() - c0}
 
 
 def loader_ours(s: dict) -> dict:
@@ -322,11 +256,11 @@ def index_ours(s: dict) -> dict:
     from shardprep.energon import update_energon_index
 
     _linked_dataset(s["src"], s["dir"], s["tars"])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()
     report = update_energon_index(s["dir"], sample_type="captioning", field_map={"image": "jpg", "caption": "txt"},
                                   split_ratio=(1, 0, 0))
     full = time.perf_counter() - t0
-    out = {"samples": report.total_samples, "work_seconds": full}
+    out = {"samples": report.total_samples, "work_seconds": full, "work_cpu_seconds": tree_cpu_seconds() - c0}
     if s.get("incremental"):
         new = s["incremental"]
         os.link(os.path.join(s["src"], new), os.path.join(s["dir"], new))
@@ -343,15 +277,16 @@ def index_energon(s: dict) -> dict:
 
     _linked_dataset(s["src"], s["dir"], s["tars"])
     energon = os.path.join(os.path.dirname(sys.executable), "energon")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()
     subprocess.run([energon, "prepare", s["dir"], "--non-interactive", "--split-ratio", "1,0,0",
                     "--sample-type", "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}',
                     "--num-workers", str(s["workers"]), "--no-progress"], check=True,
                    stdout=subprocess.DEVNULL)
     work = time.perf_counter() - t0  # includes the energon CLI's own start-up
+    work_cpu = tree_cpu_seconds() - c0
     with open(os.path.join(s["dir"], ".nv-meta", ".info.json")) as f:
         counts = json.load(f)["shard_counts"]
-    return {"samples": sum(counts.values()), "work_seconds": work}
+    return {"samples": sum(counts.values()), "work_seconds": work, "work_cpu_seconds": work_cpu}
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,11 +397,11 @@ def video_ours(s: dict) -> dict:
            "video_crf": s["crf"], "video_thread_count": s["threads"], "timeout": s["timeout"],
            "allow_private_addresses": True}
     jobs = [(s["parquet"], off, min(spp, n - off), k, cfg) for k, off in enumerate(range(0, n, spp))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()
     with ProcessPoolExecutor(s["processes"], mp_context=mp.get_context("fork")) as pool:
         reports = list(pool.map(_ours_video_shard, jobs))
     out = {k: sum(r[k] for r in reports) for k in reports[0]}
-    out["work_seconds"] = time.perf_counter() - t0
+    out["work_seconds"], out["work_cpu_seconds"] = time.perf_counter() - t0, tree_cpu_seconds() - c0
     return out
 
 
@@ -485,11 +420,11 @@ def video_video2dataset(s: dict) -> dict:
     config = oracle.v2d_config(samples_per_shard=s["samples_per_shard"], timeout=s["timeout"], subsampling=clipping,
                                thread_count=s["threads"])
     config["distribution"]["processes_count"] = s["processes"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu_seconds()
     done = oracle.run([dict(url_list=s["parquet"], output_folder=s["out"], output_format="webdataset",
                             input_format="parquet", url_col="contentUrl", caption_col="name", clip_col="clips",
                             save_additional_columns=["videoid"], config=config)], s["work"], timeout=3000)
-    work = time.perf_counter() - t0
+    work, work_cpu = time.perf_counter() - t0, tree_cpu_seconds() - c0
     if done.returncode != 0:
         raise RuntimeError(f"video2dataset failed ({done.returncode}): {done.stderr[-2000:]}")
     rows = [r for p in sorted(glob.glob(os.path.join(s["out"], "*.parquet")))
@@ -498,17 +433,25 @@ def video_video2dataset(s: dict) -> dict:
     failed = {r["key"] for r in rows if r["status"] != "success"}
     return {"successes": len(ok), "failed_to_download": sum(r["status"] == "failed_to_download" for r in rows),
             "failed_to_subsample": sum(r["status"] == "failed_to_subsample" for r in rows),
-            "clips": sum(r["status"] == "success" for r in rows), "failed_rows": len(failed), "work_seconds": work}
+            "clips": sum(r["status"] == "success" for r in rows), "failed_rows": len(failed), "work_seconds": work,
+            "work_cpu_seconds": work_cpu}
+
+
+def _limits() -> dict:
+    import limits
+
+    return {f"{name}-limit": getattr(limits, f"{name}_limit") for name in ("images", "clip", "loader", "index", "video")}
 
 
 SIDES = {
-    "images-ours": images_ours, "images-img2dataset": images_img2dataset, "images-limit": images_limit,
+    "images-ours": images_ours, "images-img2dataset": images_img2dataset,
     "clip-ours": clip_ours, "clip-clip-retrieval": clip_clip_retrieval,
     "clip-fidelity": clip_fidelity, "clip-gpu": clip_gpu,
     "loader-ours": loader_ours, "loader-dalle2": loader_dalle2,
     "index-ours": index_ours, "index-energon": index_energon,
     "chain-ours": chain_ours, "chain-glue": chain_glue,
     "video-ours": video_ours, "video-video2dataset": video_video2dataset,
+    **_limits(),
 }
 
 

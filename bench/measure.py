@@ -99,6 +99,22 @@ def run_side(args: list[str], env: dict | None = None, timeout: float = 600, log
     return Run(seconds, peak, cpu, result)
 
 
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process, every child it has reaped (and what they reaped), and
+    every live descendant (and what it reaped): a driver's timed part is the difference of two calls.
+    Orphans nobody waits for are missed (a lower bound)."""
+    me = psutil.Process()
+    t = me.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for p in me.children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -29,6 +29,9 @@ medians over the repetitions, peak memory of the whole process tree):
 * ``gpu`` (only where CUDA is available): CLIP ViT-B/32- and ViT-L/14-sized random models,
   images/s end to end from tars and MFU (``bench/gpu.py``).
 
+Each engine pair also runs its per-core limit (``bench/limits.py``): the same inputs through the tightest
+single-thread loop of the same work, in items per CPU-second, beside each side's rate after start-up.
+
 Writes ``bench/RESULTS.md`` (machine, versions, table). Work data lives in ``bench/work/``
 (git-ignored; generated images are cached there). Exit status 1 if a side failed or two sides
 disagree about what they produced; a ratio below its floor is reported, not fatal (timings on a
@@ -145,7 +148,19 @@ def _short(result: dict) -> str:
 def summarise(runs: list, count_key: str) -> dict:
     return {"wall": median([r.seconds for r in runs]), "work": median([r.result["work_seconds"] for r in runs]),
             "cpu": median([r.cpu_seconds for r in runs]), "peak_mib": median([r.peak_rss for r in runs]) / 2**20,
+            "work_cpu": median([r.result["work_cpu_seconds"] for r in runs if "work_cpu_seconds" in r.result]),
             "count": runs[-1].result[count_key], "walls": [r.seconds for r in runs]}
+
+
+def run_limit(name: str, settings: dict, expect: int, unit: str, log: str) -> dict:
+    """The engine's per-core limit (``bench/limits.py``) on the pair's inputs; it must see the items the
+    engine made (``expect``), or it measured other work."""
+    limit = run_side([f"{name}-limit", "--json", json.dumps(settings)], log_path=log, timeout=1800).result
+    if limit["items"] != expect:
+        raise Mismatch(f"{name}: the limit loop did {limit['items']} {unit}, the engine {expect}")
+    print(f"  {name + '-limit':22s} {limit['items']} {unit}, {limit['loop_cpu_seconds']:.1f} CPU s in the loops: "
+          f"{limit['per_cpu_second']:.1f} {unit} per CPU-second", flush=True)
+    return limit
 
 
 def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
@@ -165,13 +180,9 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     quality = compare_image_outputs(os.path.join(WORK, "images-ours"), os.path.join(WORK, "images-img2dataset"))
     if quality["mismatch_count"]:
         raise Mismatch(f"images: outputs disagree: {quality['mismatches']}")
-    limit = run_side(["images-limit", "--json", json.dumps(
-        {"parquet": parquet, "base_url": server.url, "site_dir": os.path.join(WORK, "site"), "image_size": 256,
-         "resize_mode": "border", "encode_quality": 95, "processes": PROCESSES})], log_path=log).result
-    if limit["images"] != o["successes"]:
-        raise Mismatch(f"images: the limit loop saw {limit['images']} images, the engines {o['successes']} successes")
-    print(f"  {'images-limit':22s} {limit['images']} images, {limit['loop_cpu_seconds']:.1f} CPU s in the loops: "
-          f"{limit['images'] / limit['loop_cpu_seconds']:.1f} images per CPU-second", flush=True)
+    limit = run_limit("images", {"parquet": parquet, "base_url": server.url, "site_dir": os.path.join(WORK, "site"),
+                                 "image_size": 256, "resize_mode": "border", "encode_quality": 95,
+                                 "processes": PROCESSES}, o["successes"], "images", log)
     return {"runs": runs, "rows": rows, "quality": quality, "limit": limit,
             "ours": summarise(runs["ours"], "successes"), "theirs": summarise(runs["theirs"], "successes"),
             "settings": common}
@@ -241,9 +252,11 @@ def pair_clip(m: dict, site: dict, server: Server, log: str) -> dict:
     from quality import compare_clip_outputs
 
     agreement = compare_clip_outputs(root, cr_out)
+    limit = run_limit("clip", {"root": root, "model": model, "shards": shards, "batch_size": common["batch_size"],
+                               "processes": PROCESSES}, o["samples"], "samples", log)
     big = sorted(glob.glob(os.path.join(WORK, "site", "images", "*")))
     fidelity = run_side(["clip-fidelity", "--json", json.dumps({"model": model, "files": big})], log_path=log).result
-    return {"runs": runs, "agreement": agreement, "fidelity": fidelity, "model": SMALL_224,
+    return {"runs": runs, "agreement": agreement, "fidelity": fidelity, "model": SMALL_224, "limit": limit,
             "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
             "settings": {k: v for k, v in common.items() if k != "shards"} | {"tars": len(shards)}}
 
@@ -278,8 +291,9 @@ def pair_loader(m: dict, site: dict, server: Server, log: str) -> dict:
     o, t = runs["ours"][-1].result, runs["theirs"][-1].result
     if o["unique_samples"] != t["unique_samples"] or t["samples"] not in (o["samples"], PROCESSES * o["samples"]):
         raise Mismatch(f"loader: ours {o}, DALLE2 {t}")
+    limit = run_limit("loader", common, o["samples"], "samples", log)
     return {"runs": runs, "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
-            "epoch": o["samples"], "settings": {k: v for k, v in common.items() if k != "tars"}
+            "epoch": o["samples"], "limit": limit, "settings": {k: v for k, v in common.items() if k != "tars"}
             | {"tars_per_epoch": len(tars), "img_preproc": "torchvision ToTensor (DALLE2's default)",
                "extra_keys": ["txt"]}}
 
@@ -295,7 +309,9 @@ def pair_index(m: dict, log: str) -> dict:
     if o["samples"] != t["samples"] or o["samples_after"] != (n + 1) * k or o["incremental_scanned"] != [names[n]]:
         raise Mismatch(f"index: ours {o} vs energon {t}")
     inc = [r.result["incremental_seconds"] / r.result["work_seconds"] for r in runs["ours"]]
+    limit = run_limit("index", {"src": src, "tars": names[:n], "tmp": WORK}, o["samples"], "samples", log)
     return {"runs": runs, "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
+            "limit": limit,
             "incremental_fraction": median(inc),
             "incremental_seconds": median([r.result["incremental_seconds"] for r in runs["ours"]]),
             "settings": {"tars": n, "samples_per_tar": k, "members_per_sample": 3, "energon_workers": PROCESSES}}
@@ -380,6 +396,7 @@ def pair_video(m: dict, log: str) -> dict:
         runs = run_pair(("video-ours", {**common, "out": os.path.join(WORK, "video-ours")}),
                         ("video-video2dataset", {**common, "out": os.path.join(WORK, "video-v2d")}),
                         m["video_reps"], log, timeout=3000)
+        base_url = server.url
     finally:
         server.close()
     o, t = runs["ours"][-1].result, runs["theirs"][-1].result
@@ -390,7 +407,10 @@ def pair_video(m: dict, log: str) -> dict:
         raise Mismatch(f"video: status counts differ: ours {o} vs video2dataset {t}")
     tar_mb = {side: sum(os.path.getsize(p) for p in glob.glob(os.path.join(WORK, d, "*.tar"))) / 1e6
               for side, d in (("ours", "video-ours"), ("theirs", "video-v2d"))}
-    return {"runs": runs, "rows": rows, "tar_mb": tar_mb, "ours": summarise(runs["ours"], "clips"),
+    limit = run_limit("video", {"parquet": parquet, "base_url": base_url, "site_dir": os.path.join(WORK, "videos"),
+                                **{k: common[k] for k in ("clip_length", "preset", "crf", "processes")}},
+                      o["clips"], "clips", log)
+    return {"runs": runs, "rows": rows, "tar_mb": tar_mb, "limit": limit, "ours": summarise(runs["ours"], "clips"),
             "theirs": summarise(runs["theirs"], "clips"), "settings": {**common, "videos": m["video_files"],
                                                                       "seconds_each": m["video_seconds"]}}
 
@@ -411,6 +431,30 @@ def _fmt(x: float, digits: int = 1) -> str:
     return "n/a" if x is None or x != x else f"{x:,.{digits}f}"
 
 
+# what each engine's limit loop does (bench/limits.py): the work, without the engine's I/O, threads, start-up
+LIMIT_WORK = {
+    "images": "DCT-scaled decode, resize, encode; no network, tar, parquet",
+    "clip": "decode, resize, crop, normalise, tokenise, image and text towers on one torch thread; no tar reading, "
+            "no output files",
+    "loader": "PIL decode, ToTensor, the embedding rows, collation; tars in memory, no worker processes",
+    "index": "the tar headers walked and checksummed, .tar.idx, energon's SQLite rows; one process",
+    "video": "PyAV decode and x264 encode of every clip on one FFmpeg thread; no download, no tar",
+}
+
+
+def _cpu_rows(name: str, unit: str, r: dict, count: int) -> list[list[str]]:
+    """Per CPU-second, whole process and after start-up, beside the engine's per-core limit."""
+    o, t, lim = r["ours"], r["theirs"], r["limit"]["per_cpu_second"]
+    wo, wt = _rate(count, o["work_cpu"]), _rate(count, t["work_cpu"])
+    return [["", f"{unit} per CPU-second, whole process", _fmt(_rate(count, o["cpu"])), _fmt(_rate(count, t["cpu"])),
+             f"{t['cpu'] / o['cpu']:.2f}x", "", ""],
+            ["", f"{unit} per CPU-second, after start-up", _fmt(wo), _fmt(wt), f"{wo / wt:.2f}x", "", ""],
+            ["", f"per-core limit: the same inputs through the tightest single-thread loop ({LIMIT_WORK[name]}), "
+             f"{unit} per CPU-second", _fmt(lim), "", "", "", ""],
+            ["", "after start-up, share of the per-core limit", f"{wo / lim * 100:.0f}%", f"{wt / lim * 100:.0f}%",
+             "", "", ""]]
+
+
 def rows_for(name: str, r: dict) -> list[list[str]]:
     o, t = r["ours"], r["theirs"]
     if name == "images":
@@ -419,8 +463,7 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
         ratio = ours_rate / their_rate
         mem_ok = o["peak_mib"] <= t["peak_mib"]
         so, st = steady(r["runs"]["ours"]), steady(r["runs"]["theirs"])
-        lim = r["limit"]
-        limit_rate = _rate(lim["images"], lim["loop_cpu_seconds"])
+        limit_rate = r["limit"]["per_cpu_second"]
         ours_img_cpu = _rate(o["count"], o["cpu"])
         return [["download + resize + write (vs img2dataset)", "input rows/s, whole run",
                  _fmt(ours_rate), _fmt(their_rate), f"{ratio:.2f}x", f">= {FLOORS['images']}x",
@@ -433,8 +476,8 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  _fmt(_rate(rows_n, t["cpu"])), f"{t['cpu'] / o['cpu']:.2f}x", "", ""],
                 ["", "input rows per CPU-second, steady state", _fmt(_rate(rows_n, so["cpu"])),
                  _fmt(_rate(rows_n, st["cpu"])), f"{st['cpu'] / so['cpu']:.2f}x", "", ""],
-                ["", "per-core limit: the same images through the tightest single-thread loop (DCT-scaled "
-                 "decode, resize, encode; no network, tar, parquet), images per CPU-second", _fmt(limit_rate),
+                ["", f"per-core limit: the same images through the tightest single-thread loop "
+                 f"({LIMIT_WORK['images']}), images per CPU-second", _fmt(limit_rate),
                  "", "", "", ""],
                 ["", "successful images per CPU-second, whole run (shardprep: share of the limit)",
                  f"{_fmt(ours_img_cpu)} ({ours_img_cpu / limit_rate * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
@@ -448,7 +491,7 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                 ["", "samples/s, whole process (incl. start-up)", _fmt(_rate(n, o["wall"])), _fmt(_rate(n, t["wall"])),
                  f"{t['wall'] / o['wall']:.2f}x", "", ""],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
-                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]] + _cpu_rows("clip", "samples", r, n)
     if name == "loader":
         ratio = _rate(r["epoch"], o["work"]) / _rate(r["epoch"], t["work"])
         dratio = _rate(o["count"], o["work"]) / _rate(t["count"], t["work"])
@@ -458,7 +501,7 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                 ["", "samples delivered/s, one epoch (DALLE2's duplicates counted)",
                  _fmt(_rate(o["count"], o["work"])), _fmt(_rate(t["count"], t["work"])), f"{dratio:.2f}x", "", ""],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
-                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]] + _cpu_rows("loader", "dataset samples", r, r["epoch"])
     if name == "index":
         n = o["count"]
         ratio = t["wall"] / o["wall"]
@@ -466,11 +509,13 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
         return [["energon index (vs energon prepare)", "samples indexed/s, whole process",
                  _fmt(_rate(n, o["wall"]), 0), _fmt(_rate(n, t["wall"]), 0), f"{ratio:.2f}x",
                  f">= {FLOORS['index']}x", "PASS" if ratio >= FLOORS["index"] else "FAIL"],
+                ["", "samples indexed/s, after start-up (ours: the index call; energon: its CLI, start-up included)",
+                 _fmt(_rate(n, o["work"]), 0), _fmt(_rate(n, t["work"]), 0), f"{t['work'] / o['work']:.2f}x", "", ""],
                 ["", f"1 new tar over {r['settings']['tars']:,}: update time / full index time", f"{inc * 100:.1f}%",
                  "(no incremental mode)",
                  "", "< 5%", "PASS" if inc < 0.05 else "FAIL"],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
-                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]]
+                 f"{o['peak_mib'] / t['peak_mib']:.2f}x", "", ""]] + _cpu_rows("index", "samples", r, n)
     if name in ("chain", "chain-1k"):
         ours_rate, their_rate = _rate(o["count"], o["wall"]), _rate(t["count"], t["wall"])
         ratio = ours_rate / their_rate
@@ -494,12 +539,12 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
         return [["video shards: download, clip, re-encode (vs video2dataset)", "clips/s, whole run",
                  _fmt(ours_rate, 2), _fmt(their_rate, 2), f"{ratio:.2f}x", f">= {FLOORS['video']}x",
                  "PASS" if ratio >= FLOORS["video"] else "FAIL"],
+                ["", "clips/s, after start-up (imports done)", _fmt(_rate(o["count"], o["work"]), 2),
+                 _fmt(_rate(t["count"], t["work"]), 2), f"{t['work'] / o['work']:.2f}x", "", ""],
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "<= 1.0x", "PASS" if mem_ok else "FAIL"],
-                ["", "clips per CPU-second, process tree", _fmt(_rate(o["count"], o["cpu"]), 2),
-                 _fmt(_rate(t["count"], t["cpu"]), 2), f"{t['cpu'] / o['cpu']:.2f}x", "", ""],
                 ["", "MB of clips written (same x264 preset and CRF)", _fmt(r["tar_mb"]["ours"]),
-                 _fmt(r["tar_mb"]["theirs"]), "", "", ""]]
+                 _fmt(r["tar_mb"]["theirs"]), "", "", ""]] + _cpu_rows("video", "clips", r, o["count"])
     if name == "queue":
         ratio = t["wall"] / o["wall"]
         return [["multi-shard `shardprep run`: run queue (vs `--in-process`, one shard after the other)",
@@ -533,6 +578,14 @@ def write_results(path: str, mode: str, machine: dict, results: dict, errors: di
     L += _details(results, errors)
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
+
+
+def _limit_detail(name: str, r: dict, unit: str) -> str:
+    lim = r["limit"]
+    return (f"- per-core limit (`bench/limits.py`, `{name}_limit`): {lim['items']} {unit} in {lim['processes']} "
+            f"single-thread loop(s) ({LIMIT_WORK[name]}), {lim['loop_cpu_seconds']:.1f} CPU seconds in the loops: "
+            f"{lim['per_cpu_second']:.1f} {unit} per CPU-second; ours after start-up {r['ours']['work_cpu']:.1f} CPU "
+            f"seconds, the peer's {r['theirs']['work_cpu']:.1f}")
 
 
 def _works(runs: list) -> list[float]:
@@ -595,7 +648,8 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"mean {_fmt(fdl['cos_mean'], 5)}; on the reduced ones min {_fmt(fdl['reduced_cos_min'], 5)}. The "
               "model has random weights and may be less sensitive than a trained one, so the model-independent "
               f"figure: the reduced images' crops against the reference preprocess's pixels, PSNR min "
-              f"{_fmt(fdl['reduced_psnr_min'])} dB, median {_fmt(fdl['reduced_psnr_median'])} dB", ""]
+              f"{_fmt(fdl['reduced_psnr_min'])} dB, median {_fmt(fdl['reduced_psnr_median'])} dB",
+              _limit_detail("clip", r, "samples"), ""]
     if "loader" in results:
         r = results["loader"]
         s, o, t = r["settings"], r["ours"], r["theirs"]
@@ -616,7 +670,7 @@ def _details(results: dict, errors: dict) -> list[str]:
               "decoding members that are not returned (.json), and, in the workers, the page faults of glibc "
               "returning each sample's buffers to the kernel (`keep_freed_memory`). That makes each delivered "
               "sample cheaper, but by less than 1.5x: the 1.5x floor is met on dataset throughput, not on "
-              "DALLE2's duplicated deliveries", ""]
+              "DALLE2's duplicated deliveries", _limit_detail("loader", r, "dataset samples"), ""]
     if "index" in results:
         r = results["index"]
         s, o, t = r["settings"], r["ours"], r["theirs"]
@@ -626,7 +680,8 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"... --num-workers {s['energon_workers']}` vs `update_energon_index(..., sample_type='captioning', "
               "split_ratio=(1,0,0))`, each in a fresh directory of hard links to the same tars",
               f"- whole process: shardprep {o['wall']:.2f} s, energon {t['wall']:.2f} s; shardprep's index call alone "
-              f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s", ""]
+              f"{o['work']:.2f} s; incremental update (1 new tar) {r['incremental_seconds']:.3f} s",
+              _limit_detail("index", r, "samples"), ""]
     for name in ("chain", "chain-1k"):
         if name in results:
             L += _chain_details(results[name])
@@ -646,7 +701,7 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"- whole process: shardprep {o['wall']:.1f} s, video2dataset {t['wall']:.1f} s (its imports of torch "
               "and transformers included, as a user pays them); both write the same clips of the same videos; the "
               "dead URLs are `failed_to_download` for us, `failed_to_subsample` for video2dataset (it saves the 404 "
-              "page as the video)", ""]
+              "page as the video)", _limit_detail("video", r, "clips"), ""]
     L += ["### GPU", ""]
     if "gpu" in results:
         g = results["gpu"]

@@ -188,6 +188,8 @@ def remove_temps(url: str) -> int:
     """Delete the temp files that gone writers of ``url`` left behind; returns how many."""
     fs, path = url_to_fs(url)
     head, base = os.path.split(path)
+    if is_local(url):
+        return _remove_local_temps(head, f".{base}{TEMP_MARK}")
     if not fs.exists(head):
         return 0
     removed = 0
@@ -197,6 +199,35 @@ def remove_temps(url: str) -> int:
                 fs.rm(p)
                 removed += 1
     return removed
+
+
+def _remove_local_temps(folder: str, prefix: str = ".") -> int:
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix) and TEMP_MARK in n]
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        with contextlib.suppress(FileNotFoundError):
+            if writer_gone(name, os.stat(path).st_mtime):
+                os.remove(path)
+                removed += 1
+    return removed
+
+
+_swept: set[str] = set()  # local folders this process has rid of gone writers' temps
+
+
+def _sweep_once(folder: str) -> None:
+    """Remove the temps of gone writers from ``folder`` the first time this process writes there.
+
+    Not on every write: a listing per write made writing n files into one folder O(n^2) (1,000
+    ``.tar.idx`` files: 22 s through fsspec's glob, which stats every entry), and an image folder holds
+    a file per shard. A temp left by a writer killed later goes with the next process writing there."""
+    if folder not in _swept:
+        _remove_local_temps(folder)
+        _swept.add(folder)
 
 
 def remove_temps_under(root_url: str) -> int:
@@ -222,12 +253,13 @@ def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
     """Write ``url`` so readers see either the old file or the complete new one, never a part.
 
     An exception inside the block (or a kill) publishes nothing; the temp file goes with it (a kill's
-    temp is removed by the next writer of the same target).
+    temp is removed by the next process that writes into its folder). Elsewhere than on local disk the
+    temp is a local file uploaded whole (``put_file``), so the target's folder never holds one.
     """
     fs, path = url_to_fs(url)
-    remove_temps(url)
     if is_local(url):
         fs.makedirs(os.path.dirname(path), exist_ok=True)
+        _sweep_once(os.path.dirname(path))
         tmp = _temp_name(path)
         try:
             with open(tmp, mode) as f:

@@ -119,3 +119,27 @@ def test_lock_serialises_processes(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(log)]) for _ in range(3)]
     assert [p.wait(60) for p in procs] == [0, 0, 0]
     assert log.read_text().split() == ["in", "out"] * 3
+
+
+def test_a_folder_is_swept_for_gone_writers_once_per_process(tmp_path, monkeypatch):
+    """n atomic writes into one folder list it once, not once each (fsspec's glob per write stat-ed every
+    entry: writing 1,000 ``.tar.idx`` files took 22 s); a gone writer's temp still goes, with the first
+    write of each process into the folder."""
+    folder = tmp_path / "many"
+    folder.mkdir()
+    dead = folder / f".0.bin{storage.TEMP_MARK}0123456789ab"  # an older release's name: its writer is gone
+    dead.write_bytes(b"x")
+    listed = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: listed.append(str(p)) or real_listdir(p))
+    for i in range(50):
+        storage.write_bytes(str(folder / f"{i}.bin"), b"%d" % i)
+    assert listed == [str(folder)] and not dead.exists()
+    assert sorted(real_listdir(folder)) == sorted(f"{i}.bin" for i in range(50))
+
+    dead.write_bytes(b"x")  # left after this process swept the folder: the next process removes it
+    storage.write_bytes(str(folder / "50.bin"), b"50")
+    assert dead.exists()
+    code = "import sys; from shardprep import storage; storage.write_bytes(sys.argv[1], b'51')"
+    subprocess.run([sys.executable, "-c", code, str(folder / "51.bin")], check=True)
+    assert not dead.exists() and (folder / "51.bin").read_bytes() == b"51"

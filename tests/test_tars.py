@@ -359,3 +359,40 @@ def test_headers_are_tarfiles(name, size, mtime):
             ustar_header(name, size, mtime)
     else:
         assert ustar_header(name, size, mtime) == expected
+
+
+def test_header_checksum_agrees_with_tarfile():
+    """``_checksum_ok`` (Adler-32's exact sum for ASCII blocks, the byte sum otherwise, the signed sum of
+    old tars) accepts and refuses the same 512-byte blocks as tarfile, corrupted ones included."""
+    import random
+
+    from shardprep.tars import _checksum_ok
+
+    rng = random.Random(7)
+
+    def tarfile_accepts(block: bytes) -> bool:
+        try:
+            tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            return False
+        return True
+
+    blocks = []
+    for i in range(3000):
+        name = "".join(rng.choice("ab/.x09é键\x7f") for _ in range(rng.randint(1, 90)))
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime = rng.randint(0, 10 ** 9), rng.randint(0, 2 ** 33)
+        block = info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")[-512:]
+        blocks.append(block)
+        corrupt = bytearray(block)
+        corrupt[rng.randrange(512)] = rng.randrange(256)  # often changes the sum, sometimes a > 127 byte
+        blocks.append(bytes(corrupt))
+    signed = bytearray(tarfile.TarInfo("old.txt").tobuf(tarfile.USTAR_FORMAT))  # an old tar summing signed chars
+    signed[5] = 200
+    rest = signed[:148] + signed[156:]
+    signed[148:156] = b"%06o\0 " % (sum(rest) + 8 * 32 - 256 * sum(b > 127 for b in rest))
+    blocks.append(bytes(signed))
+    verdicts = [(_checksum_ok(b), tarfile_accepts(b)) for b in blocks]
+    assert all(ours == theirs for ours, theirs in verdicts)
+    assert 2000 < sum(ours for ours, _ in verdicts) < len(blocks)  # both kinds were seen
+    assert _checksum_ok(bytes(signed)) and not bytes(signed).isascii()
