@@ -68,13 +68,9 @@ class _TarProgress:
                         pass
         return total
 
-    @staticmethod
-    def _cpu() -> float:
-        return tree_cpu_seconds()
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), self._tar_bytes(), self._cpu()))
+            self.samples.append((time.perf_counter(), self._tar_bytes(), tree_cpu_seconds()))
             self._stop.wait(self.every)
 
     def __enter__(self) -> "_TarProgress":
@@ -84,7 +80,7 @@ class _TarProgress:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.perf_counter(), self._tar_bytes(), self._cpu()))
+        self.samples.append((time.perf_counter(), self._tar_bytes(), tree_cpu_seconds()))
 
     def steady(self, lo: float = 0.1, hi: float = 0.9) -> dict:
         """{fraction, seconds, cpu_seconds} of the window from ``lo`` to ``hi`` of the final bytes
@@ -226,9 +222,8 @@ def _loader_epoch(make_loader, s: dict) -> dict:
         unique.update(txt)
         if emb["img"].shape[0] != img.shape[0] or emb["text"].shape[0] != img.shape[0] or len(txt) != img.shape[0]:
             raise RuntimeError("batch parts disagree in length")
-    work = time.perf_counter() - t0
-    del loader  # its workers have stopped at the epoch's end; reaped here, so their CPU is counted
-    return {"samples": samples, "unique_samples": len(unique), "work_seconds": work,
+    # the epoch's end stopped and joined the workers (not persistent): their CPU is in RUSAGE_CHILDREN
+    return {"samples": samples, "unique_samples": len(unique), "work_seconds": time.perf_counter() - t0,
             "work_cpu_seconds": tree_cpu_seconds() - c0}
 
 

@@ -32,17 +32,11 @@ def _timed(s: dict, items: int, cpu: float, t0: float) -> dict:
             "per_cpu_second": items / cpu if cpu else float("nan"), "processes": s.get("processes", 1)}
 
 
-def _tar_members(path: str, exts: tuple[str, ...]) -> list[dict]:
-    """``[{ext: bytes, "__key__": key}]`` of a webdataset tar, members in ``exts`` only (not timed)."""
-    import tarfile
+def _tar_samples(path: str) -> list[dict]:
+    """The samples of a webdataset tar with a ``jpg`` (``{"__key__", ext: bytes}``), read before the clock."""
+    from shardprep.tars import iter_samples
 
-    samples: dict[str, dict] = {}
-    with tarfile.open(path) as tar:
-        for m in tar:
-            key, _, ext = m.name.partition(".")
-            if ext in exts:
-                samples.setdefault(key, {"__key__": key})[ext] = tar.extractfile(m).read()
-    return list(samples.values())
+    return [s for s in iter_samples(path) if "jpg" in s]
 
 
 # ------------------------------------------------------------------------------ download + resize
@@ -116,7 +110,7 @@ def _clip_part(args) -> tuple[int, float]:
 
     torch.set_num_threads(1)
     encoder = load_clip_encoder(model, device="cpu")
-    samples = [s for t in tars for s in _tar_members(t, ("jpg", "txt")) if "jpg" in s]
+    samples = [s for t in tars for s in _tar_samples(t)]
     buffer = encoder.new_image_buffer(batch_size)
     c0 = time.process_time()
     for i in range(0, len(samples), batch_size):
@@ -161,7 +155,7 @@ def _loader_part(args) -> tuple[int, float]:
             shard = os.path.basename(tar)[:-4]
             img = np.load(os.path.join(img_emb, f"img_emb_{shard}.npy"))
             txt = np.load(os.path.join(text_emb, f"text_emb_{shard}.npy"))
-            cache[tar] = [(s, img, txt) for s in _tar_members(tar, ("jpg", "txt")) if "jpg" in s]
+            cache[tar] = [(s, img, txt) for s in _tar_samples(tar)]
         work.extend(cache[tar])
     c0 = time.process_time()
     for i in range(0, len(work), batch_size):
@@ -222,6 +216,7 @@ def index_limit(s: dict) -> dict:
     """The same tars: every header walked and its checksum verified, samples grouped by key, the offsets
     written as ``.tar.idx`` and the sample and part rows inserted into energon's SQLite schema, one
     transaction; one thread in one process, as our index runs."""
+    import shutil
     import sqlite3
     import struct
     import tempfile
@@ -229,28 +224,28 @@ def index_limit(s: dict) -> dict:
     from shardprep.energon.sqlite_index import create_indexes, create_schema
 
     out = tempfile.mkdtemp(prefix="index-limit-", dir=s.get("tmp"))
-    db = sqlite3.connect(os.path.join(out, "index.sqlite"))
-    create_schema(db)
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    samples = 0
-    for tar_id, name in enumerate(s["tars"]):
-        with open(os.path.join(s["src"], name), "rb") as f:
-            offsets, keys, parts, end = _walk_headers(f.read())  # small members: one read beats a seek each
-        offsets.append(end)
-        with open(os.path.join(out, name + ".idx"), "wb") as f:
-            f.write(struct.pack(f"{len(offsets)}Q", *offsets))
-        db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
-                       [(tar_id, k, i, offsets[i], offsets[i + 1] - offsets[i]) for i, k in enumerate(keys)])
-        db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", [(tar_id, *p) for p in parts])
-        samples += len(keys)
-    create_indexes(db)
-    db.commit()
-    db.close()
-    cpu = time.process_time() - c0
-    import shutil
-
-    shutil.rmtree(out, ignore_errors=True)
+    try:
+        db = sqlite3.connect(os.path.join(out, "index.sqlite"))
+        create_schema(db)
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        samples = 0
+        for tar_id, name in enumerate(s["tars"]):
+            with open(os.path.join(s["src"], name), "rb") as f:
+                offsets, keys, parts, end = _walk_headers(f.read())  # small members: one read beats a seek each
+            offsets.append(end)
+            with open(os.path.join(out, name + ".idx"), "wb") as f:
+                f.write(struct.pack(f"{len(offsets)}Q", *offsets))
+            db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
+                           [(tar_id, k, i, offsets[i], offsets[i + 1] - offsets[i]) for i, k in enumerate(keys)])
+            db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", [(tar_id, *p) for p in parts])
+            samples += len(keys)
+        create_indexes(db)
+        db.commit()
+        db.close()
+        cpu = time.process_time() - c0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     return _timed(s | {"processes": 1}, samples, cpu, t0)
 
 

@@ -330,9 +330,13 @@ def read_text(url: str) -> str | None:
         return None
 
 
-def open_read(url: str) -> IO[bytes]:
-    """A binary stream of ``url`` (close it, or use it in a ``with``)."""
+def open_read(url: str, buffer_size: int | None = None) -> IO[bytes]:
+    """A binary stream of ``url`` (close it, or use it in a ``with``). ``buffer_size``: a local file is
+    opened directly with that buffer, without fsspec's wrapper (for readers that make a call per few
+    hundred bytes, e.g. a tar's header walk: a read and a seek per member)."""
     fs, path = url_to_fs(url)
+    if buffer_size is not None and is_local(url):
+        return open(path, "rb", buffering=buffer_size)
     return fs.open(path, "rb")
 
 
