@@ -717,11 +717,10 @@ def _details(results: dict, errors: dict) -> list[str]:
     elif "gpu" in errors:
         L += [f"- GPU run failed: {errors['gpu'].splitlines()[-1]}", ""]
     else:
-        L += ["- No GPU in this run. The last GPU measurement is in `bench/GPU.md` (one H200, 2026-11-26): ViT-L/14 "
-              "2,023-2,064 images/s for the image tower alone (target 1,500: met), 698-734 images/s end to end "
-              "(missed: CPU-side preparing, 16 vCPUs, sets it); ViT-B/32 894-999 end to end. On a CUDA machine "
-              "`python bench/run.py --only gpu` (or `bash bench/gpu_device.sh`) runs `bench/gpu.py` and fills this "
-              "section.", ""]
+        L += ["- No GPU in this run. The last GPU measurements are in `bench/GPU.md`: on one H100 (2026-11-26) "
+              "ViT-L/14 end to end 1,611-1,618 images/s (target 1,500: met; the tower alone 1,867-1,869), ViT-B/32 "
+              "3,044-3,107; on one H200 ViT-L/14 1,772-1,787. On a CUDA machine `python bench/run.py --only gpu` (or "
+              "`bash bench/gpu_device.sh`) runs `bench/gpu.py` and fills this section.", ""]
     if errors:
         L += ["## Errors", ""] + [f"- {k}: `{v.splitlines()[-1]}`" for k, v in errors.items()] + [""]
     return L
