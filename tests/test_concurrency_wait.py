@@ -50,3 +50,79 @@ def test_a_step_waiting_for_a_pool_slot_sleeps_instead_of_spinning(monkeypatch, 
         assert busy < 0.5, f"the waiting run used {busy:.2f} CPU-seconds in 3 s"
     else:
         assert busy > 1.0, f"Dagster's own loop used only {busy:.2f} CPU-seconds in 3 s: the fix may be moot"
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["ours", "dagster-1.13"])
+def test_a_run_in_one_process_waits_for_one_slot_at_a_time(monkeypatch, fixed):
+    """Two ready steps of one in-process run in one pool (image_shards and video_shards): the run asks for
+    one slot, not two. With two, a freed slot went to the step the run could not start yet, and sat idle
+    while its sibling ran (and another run's download waited for it)."""
+    from dagster._core.execution.plan import active
+    from dagster._core.execution.plan import instance_concurrency_context as icc
+
+    if fixed:
+        concurrency_wait.apply()
+    else:
+        monkeypatch.setattr(icc.InstanceConcurrencyContext, "claim", concurrency_wait._original_claim)
+        monkeypatch.setattr(active.ActiveExecution, "get_next_step", concurrency_wait._original_next_step)
+    ran: list[str] = []
+    running = threading.Event()  # set in the middle of a step's work (not as it starts or ends)
+
+    def body(name: str) -> int:
+        time.sleep(0.3)
+        running.set()
+        time.sleep(1.5)
+        running.clear()
+        time.sleep(0.3)
+        ran.append(name)
+        return 1
+
+    @dg.op(pool="download")
+    def images() -> int:
+        return body("images")
+
+    @dg.op(pool="download")
+    def videos() -> int:
+        return body("videos")
+
+    @dg.job
+    def shards():
+        images()
+        videos()
+
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("download", 2)
+        for step in ("a", "b"):  # both slots held by another run's steps
+            assert storage.claim_concurrency_slot("download", "another-run", step).is_claimed
+        outcome = {}
+        runner = threading.Thread(target=lambda: outcome.update(result=shards.execute_in_process(instance=instance)))
+        runner.start()
+
+        def ours_waiting() -> set[str]:
+            return {p.step_key for p in storage.get_concurrency_info("download").pending_steps
+                    if p.run_id != "another-run" and p.assigned_timestamp is None}
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not ours_waiting():
+            time.sleep(0.2)
+        time.sleep(3.0)  # the executor's next claim checks (up to 2 s apart): time for a second claim
+        waiting = ours_waiting()
+        storage.free_concurrency_slot_for_step("another-run", "a")
+        storage.free_concurrency_slot_for_step("another-run", "b")
+        held_while_running = set()
+        while runner.is_alive():  # while a step runs, how many slots are ours: claimed, or assigned to a step
+            if not running.wait(0.1):  # not started yet
+                continue
+            info = storage.get_concurrency_info("download")
+            held_while_running.add(len({s.step_key for s in info.claimed_slots if s.run_id != "another-run"}
+                                       | {p.step_key for p in info.pending_steps
+                                          if p.run_id != "another-run" and p.assigned_timestamp is not None}))
+            time.sleep(0.1)
+        runner.join(timeout=60)
+        assert outcome["result"].success and sorted(ran) == ["images", "videos"]
+    if fixed:
+        assert len(waiting) == 1, f"the run waited for {len(waiting)} slots at once: {waiting}"
+        assert max(held_while_running) == 1
+    else:  # Dagster's own claims: both steps wait, and the run is given both slots (the test can fail)
+        assert len(waiting) == 2 and max(held_while_running) == 2

@@ -118,6 +118,30 @@ def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_sou
     assert all(device[a.run_id] != device[b.run_id] for a, b in together)
 
 
+def test_a_small_backfill_is_spread_over_the_download_slots(slow_source, tmp_path):
+    """6 shards, 8 per run by default: Dagster would make one run downloading them one after the other
+    while the second download slot idled. `shardprep run` launches one backfill per slot instead."""
+    from shardprep_dagster.orchestration.queued import spread
+
+    assert spread(["a", "b"], slots=2, per_run=8) == [["a"], ["b"]]
+    assert spread(list("abcde"), slots=2, per_run=8) == [["a", "b"], ["c", "d", "e"]]
+    assert spread(list("abcde"), slots=8, per_run=8) == [[p] for p in "abcde"]
+    assert spread(list("abcdefgh"), slots=2, per_run=4) == [list("abcdefgh")]  # enough runs already
+    assert spread(["a"], slots=2, per_run=8) == [["a"]] and spread([], slots=2, per_run=8) == []
+    config, layout = slow_source
+    home = prepare_home(tmp_path / "home", pool_limits={"download": 2, "gpu": 1})
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        summary = run_pipeline(config, instance=instance, progress=False)
+        assert summary.ok, summary.failed
+        assert summary.materialized["reordered_embeddings"] == 6
+        done = steps(instance)
+        ranges = sorted((r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
+                        for r in instance.get_runs() if "dagster/asset_partition_range_start" in r.tags)
+    assert len(summary.backfills) == 3 and summary.runs == 3  # two halves, then the global assets
+    assert ranges == [("00000", "00002"), ("00003", "00005")]
+    assert most_at_once([s for s in done if s.asset == "image_shards"]) == 2
+
+
 def _cli_run(config: str, home: Path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     return subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.cli", "run", "--config", config,
