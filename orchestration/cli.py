@@ -37,11 +37,25 @@ def print_summary(summary) -> None:
               f"{len(summary.not_run)} shard(s) left for the next run (only complete outputs were kept)")
 
 
+def _start_daemon_early(config: str) -> None:
+    """The queue daemon starts now, its imports beside ours (``orchestration.daemon_process``), once the
+    config is known to be good: a bad one is refused before an instance is opened."""
+    from shardprep.config import config_url, load_config
+    from shardprep_dagster.orchestration.daemon_process import start_early
+    from shardprep_dagster.orchestration.instance import dagster_home
+
+    load_config(config_url(config))
+    start_early(str(dagster_home()))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from shardprep.errors import ShardprepError
-    from shardprep_dagster.orchestration.runner import run_pipeline
 
     try:
+        if not args.in_process:
+            _start_daemon_early(args.config)
+        from shardprep_dagster.orchestration.runner import run_pipeline
+
         if args.verify:
             _verify(args.config, mark=True)
         summary = run_pipeline(args.config, rebuild=args.rebuild, progress=not args.no_progress,

@@ -9,10 +9,6 @@ daemon serves the instance, one is started (``orchestration.queue_daemon``).
 
 from __future__ import annotations
 
-import fcntl
-import os
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,38 +20,26 @@ from dagster._core.events import DagsterEventType
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus, PartitionBackfill
 from dagster._core.utils import make_new_backfill_id
 
-from shardprep_dagster.orchestration.queue_daemon import ACTIVE_BACKFILLS, IN_FLIGHT, lock_path, wake
+from shardprep_dagster.orchestration import daemon_process
+from shardprep_dagster.orchestration.queue_daemon import ACTIVE_BACKFILLS, IN_FLIGHT, external_daemon, wake
 
-HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 Pairs = dict[dg.AssetKey, set[str]]  # asset -> shards (unpartitioned assets: {""})
 
 
 # ---------------------------------------------------------------- the daemon
 
 
-_spawned: dict[str, subprocess.Popen] = {}  # instance root -> the private daemon this process started
-
-
 def daemon_serving(instance: dg.DagsterInstance) -> str | None:
     """Which daemon turns this instance's backfills into runs and launches them: ``private`` (one this
     process started, or another process's, holding the lock), ``external`` (a dagster-daemon with a fresh
     heartbeat), or None."""
-    spawned = _spawned.get(instance.root_directory)
-    if spawned is not None and spawned.poll() is None:
-        return "private"  # the one started here is alive (it may still be importing, before its lock)
-    with open(lock_path(), "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return "private"
-        fh.seek(0)
-        dead_id = fh.read().strip()  # the last private daemon's id: its heartbeats are stale
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    heartbeat = instance.get_daemon_heartbeats().get("BACKFILL")
-    if heartbeat is not None and heartbeat.daemon_id != dead_id and \
-            time.time() - heartbeat.timestamp < HEARTBEAT_FRESH_SECONDS:
-        return "external"
-    return None
+    home = instance.root_directory
+    if daemon_process.running_here(home):
+        return "private"
+    dead_id = daemon_process.last_daemon_id(home)
+    if dead_id is None:
+        return "private"
+    return "external" if external_daemon(instance, dead_id) else None
 
 
 def ensure_daemon(instance: dg.DagsterInstance) -> str:
@@ -64,11 +48,7 @@ def ensure_daemon(instance: dg.DagsterInstance) -> str:
     serving = daemon_serving(instance)
     if serving is not None:
         return serving
-    log = open(os.path.join(instance.root_directory, "shardprep_daemon.log"), "ab")
-    _spawned[instance.root_directory] = subprocess.Popen(
-        [sys.executable, "-m", "shardprep_dagster.orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, env={**os.environ, "DAGSTER_HOME": instance.root_directory},
-        start_new_session=True)  # outlives this process: it finishes the runs it launched
+    daemon_process.spawn(instance.root_directory)
     return "started"
 
 

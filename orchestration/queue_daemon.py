@@ -24,14 +24,15 @@ import time
 import dagster as dg
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
+from shardprep_dagster.orchestration import daemon_process
 from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
-LOCK_NAME = ".shardprep-queue-daemon.lock"
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 ACTIVE_BACKFILLS = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
-HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (launch.HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
+HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
+HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
 # When Dagster's run-queue and backfill daemons iterate: within a second of a change of the runs' or
 # backfills' state (a run queued or finished, a backfill added: the small runs' next stage is not held up,
@@ -42,7 +43,14 @@ IDLE_POLL_SECONDS = 5
 
 
 def lock_path() -> str:
-    return str(dagster_home() / LOCK_NAME)
+    return daemon_process.lock_path(str(dagster_home()))
+
+
+def external_daemon(instance: dg.DagsterInstance, dead_id: str) -> bool:
+    """A dagster-daemon (not ours: ``dead_id`` is the last private daemon's id) serves the instance."""
+    heartbeat = instance.get_daemon_heartbeats().get("BACKFILL")
+    return heartbeat is not None and heartbeat.daemon_id != dead_id and \
+        time.time() - heartbeat.timestamp < HEARTBEAT_FRESH_SECONDS
 
 
 def wake_path() -> str:
@@ -177,8 +185,12 @@ def serve(idle_seconds: float) -> int:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0  # another process of this instance is the run-queue daemon
+    fh.seek(0)
+    dead_id = fh.read().strip()
     one_planned_event_per_asset()
     instance = get_instance()
+    if external_daemon(instance, dead_id):
+        return 0  # a dagster-daemon serves the instance (`shardprep run` starts this one before it can tell)
     # the ping that keeps the code server alive (it stops after 20 s without one): every 5 s, not every
     # second (a quarter of this process's idle CPU); a private constant of the pinned Dagster
     grpc_client.CLIENT_HEARTBEAT_INTERVAL = 5

@@ -25,3 +25,33 @@ def test_a_backfill_added_as_another_completes_changes_the_daemon_state():
         after = _state(instance)
         assert before[2] == after[2] == 1
         assert after != before
+
+
+def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serves(tmp_path):
+    """`shardprep run` starts its daemon before it can tell whether a dagster-daemon (`make ui`'s) serves
+    the instance: the daemon looks itself and leaves, or two would turn one backfill into runs twice."""
+    import os
+    import subprocess
+    import sys
+
+    from dagster._daemon.types import DaemonHeartbeat
+
+    from shardprep_dagster.orchestration import daemon_process
+    from tests.fixtures.live_dagster import prepare_home
+
+    home = prepare_home(tmp_path / "home")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "BACKFILL", "a-dagster-daemon", None))
+    daemon_process.start_early(str(home))
+    spawned = daemon_process._spawned[str(home)]
+    assert spawned.wait(timeout=120) == 0  # gone by itself, long before its 20 s idle exit would end it
+    assert open(daemon_process.lock_path(str(home))).read() == ""  # it never served: no id of its own
+
+    # without the dagster-daemon's heartbeat, a private daemon serves (and writes its id) until idle
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        instance.wipe_daemon_heartbeats()
+    ours = subprocess.Popen([sys.executable, "-m", "shardprep_dagster.orchestration.queue_daemon", "--idle-seconds",
+                             "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    assert ours.wait(timeout=120) == 0
+    assert open(daemon_process.lock_path(str(home))).read().strip() != ""
