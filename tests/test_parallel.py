@@ -81,16 +81,23 @@ def embedding_work(instance: dg.DagsterInstance) -> dict[str, dict]:
     return out
 
 
+def _run_six_shards(config: str, tmp_path: Path, pool_limits: dict[str, int]) -> tuple:
+    """`shardprep run` (queued, on a fresh instance with these pool limits) over ``slow_source``: every
+    shard through every per-shard asset. Returns its summary and the instance's home."""
+    home = prepare_home(tmp_path / "home", pool_limits=pool_limits)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        summary = run_pipeline(config, instance=instance, progress=False)
+    assert summary.ok, summary.failed
+    assert summary.materialized["reordered_embeddings"] == 6
+    return summary, home
+
+
 def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_source, tmp_path, two_shards_per_run,
                                                                          monkeypatch):
     monkeypatch.setenv("SHARDPREP_SIMULATED_DEVICES", "3")  # three CPU-backed "GPUs"
     monkeypatch.setenv("SHARDPREP_DEVICE_LOCK_DIR", str(tmp_path / "device-locks"))
-    config, layout = slow_source
-    home = prepare_home(tmp_path / "home", pool_limits={"download": 2, "gpu": 3})
+    home = _run_six_shards(slow_source[0], tmp_path, {"download": 2, "gpu": 3})[1]
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        summary = run_pipeline(config, instance=instance, progress=False)
-        assert summary.ok, summary.failed
-        assert summary.materialized["reordered_embeddings"] == 6
         device = {r.run_id: r.tags.get("shardprep/device/clip_embeddings") for r in instance.get_runs()}
         done = steps(instance)
         work = embedding_work(instance)
@@ -128,12 +135,8 @@ def test_a_small_backfill_is_spread_over_the_download_slots(slow_source, tmp_pat
     assert spread(list("abcde"), slots=8, per_run=8) == [[p] for p in "abcde"]
     assert spread(list("abcdefgh"), slots=2, per_run=4) == [list("abcdefgh")]  # enough runs already
     assert spread(["a"], slots=2, per_run=8) == [["a"]] and spread([], slots=2, per_run=8) == []
-    config, layout = slow_source
-    home = prepare_home(tmp_path / "home", pool_limits={"download": 2, "gpu": 1})
+    summary, home = _run_six_shards(slow_source[0], tmp_path, {"download": 2, "gpu": 1})
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        summary = run_pipeline(config, instance=instance, progress=False)
-        assert summary.ok, summary.failed
-        assert summary.materialized["reordered_embeddings"] == 6
         done = steps(instance)
         ranges = sorted((r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
                         for r in instance.get_runs() if "dagster/asset_partition_range_start" in r.tags)
