@@ -2,8 +2,8 @@
 
 No Dagster import here: `shardprep run` starts the daemon first thing, before its own imports, config
 and planning, so the daemon's imports and code server (~3 s) overlap them instead of following them
-(2 x 10,000-row chain: the first run was enqueued 5.3 s after the command started, the daemon's first
-backfill pass coming 2.7 s after the CLI had launched its backfill). Whether an external dagster-daemon
+(the chain benchmark: the first run was enqueued 5.3-5.7 s after the command started, the daemon's first
+backfill pass coming 2.7 s after the CLI had launched its backfill; 4.2-4.8 s now). Whether an external dagster-daemon
 already serves the instance needs Dagster, so the daemon itself looks and leaves if one does.
 """
 

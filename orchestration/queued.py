@@ -11,6 +11,7 @@ queued runs are dropped, running ones terminated) and wait for the cancellation.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -81,7 +82,7 @@ def _shard_pairs(plan: Plan, shards: list[str]) -> Pairs:
     return pairs
 
 
-def spread(partitions: list[str], slots: int, per_run: int) -> list[list[str]]:
+def spread(partitions: list[str], slots: int, per_run: float) -> list[list[str]]:
     """``partitions`` (in order) cut into contiguous groups, one backfill each, so that their runs keep
     every download slot busy. Dagster cuts a backfill into runs of ``per_run`` partitions (the assets'
     BackfillPolicy) and a run does its shards one after the other, so fewer partitions than ``slots`` x
@@ -103,8 +104,9 @@ def _download_spread(plan: Plan, instance: dg.DagsterInstance, pairs: Pairs) -> 
     if not downloads:
         return [pairs]
     graph = plan.defs.resolve_asset_graph()
-    policies = [graph.get(k).backfill_policy for k in downloads]
-    per_run = min((p.max_partitions_per_run or 1) if p is not None else 1 for p in policies)
+    # no policy: a run per partition; a single-run policy (no maximum): every partition in one run
+    per_run = min(1 if p is None else p.max_partitions_per_run or math.inf
+                  for p in (graph.get(k).backfill_policy for k in downloads))
     info = instance.event_log_storage.get_concurrency_info("download")
     slots = info.slot_count if info.slot_count else 1
     order = {p: i for i, p in enumerate(plan.shards)}
