@@ -350,7 +350,7 @@ def chain_glue(s: dict) -> dict:
 def clip_fidelity(s: dict) -> dict:
     from quality import clip_fast_vs_exact
 
-    return clip_fast_vs_exact(s["model"], s["files"])
+    return clip_fast_vs_exact(s["model"], s["files"], tar=s.get("tar"))
 
 
 def clip_gpu(s: dict) -> dict:

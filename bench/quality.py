@@ -96,8 +96,9 @@ def compare_clip_outputs(ours_root: str, theirs_dir: str) -> dict:
             "text_cos_min": min(ct) if ct else None}
 
 
-def clip_fast_vs_exact(model: str, image_files: list[str]) -> dict:
-    """Cosine of fast-preprocess and exact-preprocess image embeddings of the same files."""
+def clip_fast_vs_exact(model: str, image_files: list[str], tar: str | None = None, tar_images: int = 1000) -> dict:
+    """Cosine of fast-preprocess and exact-preprocess image embeddings of the same files; with ``tar``, the
+    PSNR of the fast crops of its first ``tar_images`` images (what the pair embeds) against the reference's."""
     from shardprep.models.clip import load_clip_encoder
 
     enc = load_clip_encoder(model, device="cpu")
@@ -124,10 +125,39 @@ def clip_fast_vs_exact(model: str, image_files: list[str]) -> dict:
         ours = decode_for_clip(d, ImageSpec(spec.resize, spec.crop, (0, 0, 0), (1, 1, 1), spec.round_offsets))
         mse = float(((ours.astype(np.float64) - ref) ** 2).mean())
         psnr.append(99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
+    tar_psnr = [_psnr(d, spec) for d in _tar_images(tar, tar_images)] if tar else []
     return {"images": len(datas), "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
             "reduced_images": len(reduced), "reduced_cos_min": float(min(reduced)) if reduced else None,
             "reduced_psnr_min": float(min(psnr)) if psnr else None,
-            "reduced_psnr_median": float(np.median(psnr)) if psnr else None}
+            "reduced_psnr_median": float(np.median(psnr)) if psnr else None,
+            "tar_images": len(tar_psnr), "tar_psnr_min": float(min(tar_psnr)) if tar_psnr else None,
+            "tar_psnr_median": float(np.median(tar_psnr)) if tar_psnr else None}
+
+
+def _tar_images(path: str, n: int) -> list[bytes]:
+    from shardprep.tars import iter_members
+
+    out = []
+    with open(path, "rb") as f:
+        for name, data in iter_members(f, path):
+            if name.endswith(".jpg"):
+                out.append(data)
+                if len(out) == n:
+                    break
+    return out
+
+
+def _psnr(data: bytes, spec) -> float:
+    """The fast crop of one image against the reference preprocess's pixels, in dB."""
+    from PIL import Image
+
+    from shardprep.models.clip import ImageSpec, decode_for_clip
+
+    with Image.open(io.BytesIO(data)) as im:
+        ref = _reference_crop(im.convert("RGB"), spec)
+    ours = decode_for_clip(data, ImageSpec(spec.resize, spec.crop, (0, 0, 0), (1, 1, 1), spec.round_offsets))
+    mse = float(((ours.astype(np.float64) - ref) ** 2).mean())
+    return 99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 def _reference_crop(im, spec) -> np.ndarray:

@@ -255,7 +255,8 @@ def pair_clip(m: dict, site: dict, server: Server, log: str) -> dict:
     limit = run_limit("clip", {"root": root, "model": model, "shards": shards, "batch_size": common["batch_size"],
                                "processes": PROCESSES}, o["samples"], "samples", log)
     big = sorted(glob.glob(os.path.join(WORK, "site", "images", "*")))
-    fidelity = run_side(["clip-fidelity", "--json", json.dumps({"model": model, "files": big})], log_path=log).result
+    fidelity = run_side(["clip-fidelity", "--json", json.dumps(
+        {"model": model, "files": big, "tar": os.path.join(root, "images", f"{shards[0]}.tar")})], log_path=log).result
     return {"runs": runs, "agreement": agreement, "fidelity": fidelity, "model": SMALL_224, "limit": limit,
             "ours": summarise(runs["ours"], "samples"), "theirs": summarise(runs["theirs"], "samples"),
             "settings": {k: v for k, v in common.items() if k != "shards"} | {"tars": len(shards)}}
@@ -641,8 +642,9 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"vs {t['wall']:.1f} s, CPU {o['cpu']:.1f} s vs {t['cpu']:.1f} s",
               f"- agreement with clip-retrieval, per key ({a['common']} keys): image cosine min "
               f"{_fmt(a['image_cos_min'], 5)}, mean {_fmt(a['image_cos_mean'], 5)}; text cosine min "
-              f"{_fmt(a['text_cos_min'], 5)} (these 256 px images need no DCT reduction, so our preprocessing "
-              "gives the reference pixels)",
+              f"{_fmt(a['text_cos_min'], 5)}; these 256 px images are resized by OpenCV's bicubic, clip-retrieval's "
+              f"by PIL's: our crops against the reference preprocess's pixels ({fdl.get('tar_images', 0)} images of "
+              f"the first tar) PSNR min {_fmt(fdl.get('tar_psnr_min'))} dB, median {_fmt(fdl.get('tar_psnr_median'))} dB",
               f"- fast vs exact preprocessing on the benchmark site's full-size images ({fdl['images']} images, "
               f"{fdl['reduced_images']} large enough for the DCT-reduced decode): cosine min {_fmt(fdl['cos_min'], 5)}, "
               f"mean {_fmt(fdl['cos_mean'], 5)}; on the reduced ones min {_fmt(fdl['reduced_cos_min'], 5)}. The "

@@ -23,6 +23,7 @@ from shardprep.layout import Layout
 from shardprep.models import clip as clip_models
 from shardprep.reorder import ReorderError, reorder_array, reorder_embeddings
 from shardprep.tars import TarReadError
+from tests.fixtures.embedding_checks import assert_close_rows
 
 SAMPLES_PER_SHARD = 20
 OOM = oom_sample_per_shard(SAMPLES_PER_SHARD)  # 2 digits of in-shard index
@@ -171,10 +172,9 @@ def test_embedding_reader_reads_our_output(embedded, encoder):
             images[sample["__key__"]] = Image.open(io.BytesIO(sample["jpg"]))
     keys = sorted(images)
     direct = encoder.encode_images([images[k] for k in keys])
-    for k, d in zip(keys, direct):
-        row, caption = seen[k]
-        assert caption == truth[k]["caption"]
-        np.testing.assert_allclose(row, d.astype(np.float32), atol=2e-3)
+    for k in keys:
+        assert seen[k][1] == truth[k]["caption"]
+    assert_close_rows([seen[k][0] for k in keys], direct)
 
 
 def test_missing_or_empty_tar_writes_nothing(tmp_path, encoder):
@@ -365,9 +365,11 @@ def test_matches_clip_retrieval(embedded, oracle):
         for key, (img, txt) in ours_rows.items():
             t_img, t_txt = theirs_rows[key]
             assert img.dtype == t_img.dtype == np.float16
-            assert _cos(img, t_img) > 0.999 and _cos(txt, t_txt) > 0.999
-            np.testing.assert_allclose(img.astype(np.float32), t_img.astype(np.float32), atol=2e-3)
+            assert _cos(txt, t_txt) > 0.999
             np.testing.assert_allclose(txt.astype(np.float32), t_txt.astype(np.float32), atol=2e-3)
+        # images: fast preprocessing resizes with OpenCV, clip-retrieval with PIL (close, not equal)
+        keys = sorted(ours_rows)
+        assert_close_rows([ours_rows[k][0] for k in keys], [theirs_rows[k][0] for k in keys])
         for arr in (_load(layout.img_emb(s)), _load(layout.text_emb(s))):
             assert arr.dtype == np.float16 and arr.shape == (len(SHARDS[shard_id]), 32)
             np.testing.assert_allclose(np.linalg.norm(arr.astype(np.float32), axis=1), 1.0, atol=2e-3)

@@ -6,8 +6,9 @@
 * the shard engine with ``fast_decode``/``decode_threads``, against the exact engine, over HTTP;
 * the direct tar parser against ``tarfile``, and webdataset's grouping in the decoder loader;
 * CLIP: the preprocess spec read off all_clip's preprocess objects, the fast decode against the
-  reference transforms, fast vs exact embeddings (equal on small images, cosine > 0.99 on large
-  photo-like ones), the uint8 (GPU-style) batch path, text padding trimming.
+  reference transforms (under a grey level on average; PIL's decoded pixels exactly), fast vs exact
+  embeddings (cosine > 0.995 on small images, > 0.99 on large photo-like ones, each row nearest its
+  own), the uint8 (GPU-style) batch path, text padding trimming.
 """
 
 import io
@@ -33,6 +34,7 @@ from shardprep.layout import Layout
 from shardprep.storage import open_read
 from shardprep.tars import TarReadError, iter_members
 from tests.fixtures import synthetic
+from tests.fixtures.embedding_checks import assert_close_rows
 from tests.fixtures.http_server import serve_directory
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -275,8 +277,8 @@ def test_image_spec_is_read_off_the_preprocess(encoder):
     assert not encoder.exact().fast_preprocess and encoder.exact().model is encoder.model
 
 
-@pytest.mark.parametrize("size", [(45, 31), (64, 48), (33, 90), (50, 50)])
-def test_fast_decode_gives_reference_pixels_on_small_images(size):
+@pytest.mark.parametrize("size", [(45, 31), (64, 48), (33, 90), (50, 50), (20, 20), (29, 40)])
+def test_fast_decode_stays_within_a_grey_level_of_the_reference_on_small_images(size):
     import torchvision.transforms as T
     from transformers import CLIPImageProcessor
 
@@ -287,26 +289,45 @@ def test_fast_decode_gives_reference_pixels_on_small_images(size):
     # torchvision (rounded crop offsets) and Hugging Face (floored) reference pipelines, uint8 before ToTensor
     tv = np.asarray(T.Compose([T.Resize(29, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(27)])(im))
     ours_tv = decode_for_clip(data, ImageSpec(29, (27, 27), (0, 0, 0), (1, 1, 1), round_offsets=True))
-    assert np.array_equal(ours_tv, tv)
     proc = CLIPImageProcessor(size={"shortest_edge": 29}, crop_size={"height": 27, "width": 27},
                               do_rescale=False, do_normalize=False)
-    hf = np.asarray(proc(im, return_tensors="np").pixel_values[0]).transpose(1, 2, 0)
+    hf = np.asarray(proc(im, return_tensors="np").pixel_values[0]).transpose(1, 2, 0).round().astype(np.uint8)
     ours_hf = decode_for_clip(data, ImageSpec(29, (27, 27), (0, 0, 0), (1, 1, 1), round_offsets=False))
-    assert np.array_equal(ours_hf, hf.round().astype(np.uint8))
+    for ours, ref in ((ours_tv, tv), (ours_hf, hf)):
+        assert ours.shape == ref.shape == (27, 27, 3)
+        diff = np.abs(ours.astype(np.int16) - ref.astype(np.int16))
+        if size == (29, 40):  # already the resized size: no resize, the reference's pixels exactly
+            assert not diff.any()
+        # OpenCV's bicubic against PIL's: under a grey level on average (a crop one pixel off: 6-10)
+        assert diff.mean() < 1.0 and diff.max() <= 8, (diff.mean(), diff.max())
 
 
-def test_fast_embeddings_equal_exact_on_small_and_close_on_large(encoder):
+def test_jpegs_decode_as_pil_decodes_them():
+    # libjpeg-turbo through simplejpeg for the full-size decode: PIL's pixels exactly, grey ones too;
+    # truncated or not-quite JPEGs fall back to PIL, which records them as it always did
+    from shardprep.models.clip import ImageSpec, _decode_jpeg_rgb
+
+    spec = ImageSpec(224, (224, 224), (0, 0, 0), (1, 1, 1), round_offsets=True)
+    for mode in ("RGB", "L"):
+        data = _jpeg(300, 260, seed=3, mode=mode)
+        ref = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        assert np.array_equal(_decode_jpeg_rgb(data, spec), ref)
+    whole = _jpeg(300, 260, seed=4)
+    assert _decode_jpeg_rgb(whole[:-2000], spec) is None
+    assert _decode_jpeg_rgb(b"\xff\xd8 broken", spec) is None
+    assert _decode_jpeg_rgb(_jpeg(1600, 1200, seed=4), spec) is None  # DCT-reduced through PIL draft
+    cmyk = _jpeg(300, 260, seed=5, mode="CMYK")
+    assert _decode_jpeg_rgb(cmyk, spec) is None
+
+
+def test_fast_embeddings_close_to_exact_on_small_and_large(encoder):
     exact = encoder.exact()
     small = [_jpeg(64, 48, seed=i) for i in range(6)]
     large = [_jpeg(1600, 1200, seed=i) for i in range(3)] + [_jpeg(900, 2000, seed=7)]
-    for datas, check in ((small, "equal"), (large, "close")):
-        fast = encoder.encode_prepared([encoder.prepare_image(d) for d in datas]).astype(np.float64)
-        ref = exact.encode_prepared([exact.prepare_image(d) for d in datas]).astype(np.float64)
-        cos = (fast * ref).sum(1) / np.linalg.norm(fast, axis=1) / np.linalg.norm(ref, axis=1)
-        if check == "equal":
-            np.testing.assert_allclose(fast, ref, atol=2e-3)
-        else:
-            assert cos.min() > 0.99
+    for datas, min_cos in ((small, 0.995), (large, 0.99)):
+        fast = encoder.encode_prepared([encoder.prepare_image(d) for d in datas])
+        ref = exact.encode_prepared([exact.prepare_image(d) for d in datas])
+        assert_close_rows(fast, ref, min_cos)
 
 
 def test_large_jpegs_take_the_reduced_decode():
@@ -369,7 +390,7 @@ def test_write_clip_embeddings_fast_and_exact_align_around_skips(tmp_path, encod
     e_img = np.load(layout.img_emb("00000"))
     assert fast.samples == exact.samples == len(samples) - len(fast.skipped)
     assert [s["key"] for s in fast.skipped] == [s["key"] for s in exact.skipped] and fast.skipped
-    np.testing.assert_allclose(f_img.astype(np.float32), e_img.astype(np.float32), atol=2e-3)
+    assert_close_rows(f_img, e_img)
     assert thread_split("cpu")[1] >= 1 and thread_split("cuda")[1] == 0
     assert 2 <= thread_split("cuda")[0] <= GPU_DECODE_THREADS  # more threads prepare fewer images (GIL)
 

@@ -7,13 +7,16 @@ L2-normalised, stored as float16), so our files are interchangeable with clip-re
 Fast preprocessing (``encoder.fast_preprocess``, on whenever the model's preprocess is one we can
 read: torchvision's Resize/CenterCrop/ToTensor/Normalize or Hugging Face's CLIPImageProcessor):
 ``decode_for_clip`` decodes a JPEG at reduced DCT scale when it is at least 4x the model input
-(PIL ``draft``, keeping >= 2x) and then resizes with OpenCV's area filter; smaller images get PIL's
-own bicubic resize, so their pixels are exactly the reference preprocess's. ``prepare_image``
+(PIL ``draft``, keeping >= 2x) and then resizes with OpenCV's area filter; a smaller JPEG is decoded by
+libjpeg-turbo directly (simplejpeg: PIL's pixels, at half the CPU) and resized by OpenCV too: bicubic
+within 1.25x of the resized size (a 256 px tar image for a 224 px model), area beyond. PIL's own
+bicubic, which the reference preprocess uses, costs 5-8x OpenCV's at these sizes and was a third of
+the CPU path's time; OpenCV's pixels stay under a grey level from it on average. ``prepare_image``
 center crops and writes the image as planes into a row of a reused batch buffer: normalised
 float32 on CPU (in the decode thread, while the image is in cache), uint8 in page-locked memory
 with a GPU, where ``encode_image_arrays`` normalises the whole batch after one copy (a quarter of
 the bytes). Embeddings stay within cosine 0.99 of the per-image preprocess on large photo-like
-images and equal to float rounding on small ones (tests/test_fast_paths.py; bench/RESULTS.md).
+images and 0.995 on small ones (tests/test_fast_paths.py; bench/RESULTS.md).
 ``encoder.exact()`` gives the same model with the original per-image preprocess.
 """
 
@@ -47,6 +50,8 @@ def resolve_device(device: str = "auto") -> str:
 
 # a JPEG is DCT-downscaled only while it keeps this many pixels per model-input pixel (both sides)
 DRAFT_GAP = 2.0
+# an image at most this much larger than the resized size (both sides), or smaller, is resized bicubic
+NEAR_SCALE = 1.25
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,9 @@ def _decode_crop(data: bytes, spec: ImageSpec) -> np.ndarray:
     # decode_for_clip without the final copy (the crop is a view of the resized image)
     from PIL import Image
 
+    rgb = _decode_jpeg_rgb(data, spec)
+    if rgb is not None:
+        return resize_crop(rgb, spec, (rgb.shape[1], rgb.shape[0]), area=False)
     with Image.open(io.BytesIO(data)) as im:
         width, height = im.size
         target = draft_target(spec, width, height) if im.format == "JPEG" else None
@@ -155,24 +163,42 @@ def _decode_crop(data: bytes, spec: ImageSpec) -> np.ndarray:
                            area=im.size != (width, height))
 
 
+def _decode_jpeg_rgb(data: bytes, spec: ImageSpec) -> np.ndarray | None:
+    """A JPEG that ``_decode_crop`` decodes at full size, decoded by libjpeg-turbo directly (simplejpeg:
+    the pixels PIL's decoder gives, the same library with the same settings, at half its CPU); None for
+    anything else (not a JPEG, CMYK, one DCT-reduced through PIL ``draft``), which PIL decodes as before.
+    strict: a libjpeg warning (a truncated file) is an error, as it is for PIL."""
+    import simplejpeg
+
+    if data[:2] != b"\xff\xd8":
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        if colorspace not in ("YCbCr", "RGB", "Gray") or draft_target(spec, width, height) is not None:
+            return None
+        img = simplejpeg.decode_jpeg(data, "RGB", strict=True)
+    except ValueError:
+        return None  # PIL decodes it, or raises its own error for the skip record
+    return img if img.shape[:2] == (height, width) else None
+
+
 def resize_crop(rgb, spec: ImageSpec, original: tuple[int, int], area: bool) -> np.ndarray:
-    """A decoded RGB PIL image -> uint8 ``[crop_h, crop_w, 3]`` (a view): resized to ``spec`` and center
-    cropped; the resized size is the ``original`` (width, height)'s, which a DCT-reduced decode only
-    approximates (odd sides round up). ``area``: the image was decoded for a DCT reduction
-    (``draft_target``), so it is still >= DRAFT_GAP x the target and OpenCV's area filter resizes it;
-    else PIL's bicubic, the reference's own."""
+    """A decoded RGB image (PIL, or a uint8 ``[H, W, 3]`` array) -> uint8 ``[crop_h, crop_w, 3]`` (a
+    view): resized to ``spec`` and center cropped; the resized size is the ``original`` (width, height)'s,
+    which a DCT-reduced decode only approximates (odd sides round up). ``area``: the image was decoded for
+    a DCT reduction (``draft_target``), so it is still >= DRAFT_GAP x the target."""
     import cv2
-    from PIL import Image
 
     new_w, new_h = spec.resized_size(*original)
-    if not area and rgb.size != (new_w, new_h):
-        # no DCT reduction: PIL's own resize, so the pixels are the reference preprocess's
-        rgb = rgb.resize((new_w, new_h), Image.BICUBIC)
     arr = np.asarray(rgb)
-    if arr.shape[1] != new_w or arr.shape[0] != new_h:
-        # after a DCT reduction the image is still >= DRAFT_GAP x the target: area averages
-        # every source pixel (what PIL's antialiased bicubic approximates), at SIMD speed
-        arr = cv2.resize(arr, (new_w, new_h), interpolation=cv2.INTER_AREA)
+    height, width = arr.shape[:2]
+    if (width, height) != (new_w, new_h):
+        # OpenCV at SIMD speed, 5-8x PIL's bicubic. Within NEAR_SCALE of the target (a 256 px tar image
+        # for a 224 px model) its bicubic is the closest to PIL's and the cheapest; further down, area
+        # averages every source pixel, as PIL's antialiased bicubic does (after a DCT reduction the image
+        # is still >= DRAFT_GAP x the target). Measured in bench/E2E.md's notes: < 1 grey level from PIL.
+        near = not area and width <= NEAR_SCALE * new_w and height <= NEAR_SCALE * new_h
+        arr = cv2.resize(arr, (new_w, new_h), interpolation=cv2.INTER_CUBIC if near else cv2.INTER_AREA)
     crop_h, crop_w = spec.crop
     if spec.round_offsets:
         top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
