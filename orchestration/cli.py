@@ -24,6 +24,8 @@ def print_summary(summary) -> None:
           f"{summary.runs}, failed: {len(summary.failed)}")
     for backfill_id in summary.backfills:
         print(f"backfill {backfill_id} (in the UI: Overview > Backfills)")
+    if summary.global_run is not None:
+        print(f"run {summary.global_run[:8]}: the unpartitioned assets, in this process (in the UI: Runs)")
     for backfill_id in summary.waited_on:
         print(f"waited for backfill {backfill_id} of another process, which had some of this work in flight")
     for url in summary.appended_sources:

@@ -174,30 +174,7 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
     runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id},
                                                    statuses=[dg.DagsterRunStatus.FAILURE]))
     for run in runs:
-        shards = run_partitions(instance, run) or ["(global)"]
-        run_error = None
-        for record in instance.all_logs(run.run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE,
-                                                             DagsterEventType.ENGINE_EVENT}):
-            event = record.dagster_event
-            if event.event_type == DagsterEventType.ENGINE_EVENT:
-                if "terminated by signal" in (record.message or ""):  # the code server saw its worker die
-                    run_error = record.message.split("] ", 1)[-1].split(". ")[0]
-                continue
-            if event.event_type == DagsterEventType.RUN_FAILURE:
-                run_error = run_error or (record.message or "run failed").strip().splitlines()[0]
-                continue
-            data = event.step_failure_data
-            per_shard = {}
-            if data.user_failure_data is not None:
-                value = data.user_failure_data.metadata.get("failed_shards")
-                per_shard = dict(getattr(value, "value", None) or {})
-            message = error_cause(data.error) if data.error else "failed"
-            for shard in shards:
-                if shard not in out and (not per_shard or shard in per_shard):
-                    out[shard] = f"{event.step_key}: {per_shard.get(shard, message)}"
-        for shard in shards:
-            if shard not in out and run_error is not None:
-                out[shard] = f"run {run.run_id[:8]}: {run_error}"
+        run_failures(instance, run, out)
     backfill = instance.get_backfill(backfill_id)
     data = backfill.asset_backfill_data if backfill is not None else None
     if data is not None:
@@ -208,4 +185,33 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
             done = _materialized_since(instance, key, shards, backfill.backfill_timestamp)
             for shard in shards - done:
                 out.setdefault(shard or "(global)", f"{key.to_user_string()}: not materialized")
+    return out
+
+
+def run_failures(instance: dg.DagsterInstance, run: dg.DagsterRun, out: dict[str, str]) -> dict[str, str]:
+    """``out`` with the first error of each shard of a failed ``run`` (see ``failures``) not in it yet."""
+    shards = run_partitions(instance, run) or ["(global)"]
+    run_error = None
+    for record in instance.all_logs(run.run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE,
+                                                         DagsterEventType.ENGINE_EVENT}):
+        event = record.dagster_event
+        if event.event_type == DagsterEventType.ENGINE_EVENT:
+            if "terminated by signal" in (record.message or ""):  # the code server saw its worker die
+                run_error = record.message.split("] ", 1)[-1].split(". ")[0]
+            continue
+        if event.event_type == DagsterEventType.RUN_FAILURE:
+            run_error = run_error or (record.message or "run failed").strip().splitlines()[0]
+            continue
+        data = event.step_failure_data
+        per_shard = {}
+        if data.user_failure_data is not None:
+            value = data.user_failure_data.metadata.get("failed_shards")
+            per_shard = dict(getattr(value, "value", None) or {})
+        message = error_cause(data.error) if data.error else "failed"
+        for shard in shards:
+            if shard not in out and (not per_shard or shard in per_shard):
+                out[shard] = f"{event.step_key}: {per_shard.get(shard, message)}"
+    for shard in shards:
+        if shard not in out and run_error is not None:
+            out[shard] = f"run {run.run_id[:8]}: {run_error}"
     return out

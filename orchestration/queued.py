@@ -1,6 +1,7 @@
 """`shardprep run`'s default execution: the plan's (asset, shard) pairs as an asset backfill run by
-Dagster's daemons through the instance's run queue (``orchestration.launch``), then the unpartitioned
-assets as a second one, followed here with one progress bar.
+Dagster's daemons through the instance's run queue (``orchestration.launch``), followed here with one
+progress bar; then the unpartitioned assets, as a run executed in this process with the in-process
+executor (the default: ``_globals_here``), else as a second backfill (Celery workers).
 
 Several `shardprep run` processes, the UI, backfills and automation may work on one instance at once:
 planning and launching happen under a lock of the instance, and pairs some other backfill or run
@@ -20,15 +21,25 @@ import time
 import dagster as dg
 
 from shardprep.artifacts import ARTIFACTS
+from shardprep_dagster.assets.follow import IN_PROCESS
 from shardprep_dagster.assets.shard_runs import REBUILD_TAG, SHARDS_TAG
 from shardprep_dagster.orchestration.instance import instance_lock
-from shardprep_dagster.orchestration.launch import Pairs, cancel, ensure_daemon, failures, in_flight, launch, progress
+from shardprep_dagster.orchestration.launch import (
+    Pairs,
+    cancel,
+    ensure_daemon,
+    failures,
+    in_flight,
+    launch,
+    progress,
+    run_failures,
+)
 from shardprep_dagster.orchestration.plan import Plan, globals_needed, newest_materialization
 from shardprep_dagster.orchestration.progress import ShardProgress
 from shardprep_dagster.orchestration.recovery import recover_dead_runs
 from shardprep_dagster.orchestration.stop import Stop
 from shardprep_dagster.orchestration.summary import RunSummary
-from shardprep_dagster.resources.dataset import CONFIG_TAG
+from shardprep_dagster.resources.dataset import CONFIG_TAG, HOST_TAG, PID_TAG
 
 POLL_SECONDS = 0.5
 DAEMON_CHECK_SECONDS = 5.0
@@ -140,6 +151,15 @@ class _Follower:
                 tail = f.read()[-2000:].decode(errors="replace")
             raise RuntimeError(f"the Dagster daemon for this instance does not stay up; its log {log} ends:\n{tail}")
 
+    def wait_out(self, keys: list[dg.AssetKey]) -> None:
+        """Until no run has any of ``keys`` in flight (or a stop signal came): a run another `shardprep run`
+        executes in its own process (``_globals_here``); one whose process died is closed by the daemon
+        check (``recover_dead_runs``), so this ends."""
+        while self.stop.received() is None and any(k in in_flight(self.instance)[0] for k in keys):
+            if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
+                self._check_daemon()
+            time.sleep(POLL_SECONDS)
+
     def wait(self, ours: list[str], others: list[str], shards_of: dict[str, set[str]] | None = None) -> None:
         """Until every backfill in ``ours`` and ``others`` has finished. ``shards_of``: shard -> its pairs
         in ``ours`` as ``asset/shard`` strings, for the progress bar."""
@@ -200,6 +220,7 @@ def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummar
     """Launch the unpartitioned assets when they must run and no one else runs them; wait for ours or
     theirs. True when it waited on someone else's (whose result must be checked: it may have failed, or
     died with its process)."""
+    here = None
     with instance_lock(instance, "submit"):
         busy, busy_ids = in_flight(instance)
         if any(k in busy for k in plan.global_keys):  # another run updates them now: wait, then look again
@@ -207,13 +228,60 @@ def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummar
             ours = []
         elif plan.rebuild or globals_needed(instance, plan.shard_keys, plan.global_keys, plan.versions):
             follower.bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")
-            ours = [launch(instance, {k: {""} for k in plan.global_keys}, tags=_tags(plan),
-                           title="shardprep run: unpartitioned assets")]
+            if _globals_here(plan):
+                # created under the lock, so other processes see it in flight from now on
+                here = _global_run(plan, instance)
+                ours = []
+            else:
+                ours = [launch(instance, {k: {""} for k in plan.global_keys}, tags=_tags(plan),
+                               title="shardprep run: unpartitioned assets")]
         else:
             return False
+    if here is not None:
+        _execute_here(here, instance, summary, follower.stop)
+        return False
     summary.backfills += ours
     follower.wait(ours, [] if ours else busy_ids)
+    if not ours:  # another process may run them in its own process: a run, not a backfill
+        follower.wait_out(plan.global_keys)
     return not ours
+
+
+def _globals_here(plan: Plan) -> bool:
+    """Whether the unpartitioned assets run in this process. With the in-process executor (the default) a
+    run executes all its steps in one process anyway, and the CLI is one: running them here saves what a
+    backfill costs between the last shard and the first global step (the backfill daemon's tick, the
+    queue, a run worker's start: 2.9 s of a 2 x 10,000-row chain's 85 s, bench/E2E.md) and the wait for
+    the daemon to mark it done. Steps on Celery workers (or any other executor) go through a backfill."""
+    return plan.defs.resolve_job_def("global_job").executor_def.name in IN_PROCESS
+
+
+def _global_run(plan: Plan, instance: dg.DagsterInstance) -> tuple[dg.JobDefinition, dg.DagsterRun]:
+    """The unpartitioned assets' run, created (not started) with this process's pid, so that a kill of this
+    process leaves a run that ``recover_dead_runs`` closes, as for ``--in-process`` runs."""
+    from shardprep_dagster.orchestration.in_process import QUIET_RUN_CONFIG
+
+    job = plan.defs.resolve_job_def("global_job")
+    keys = frozenset(plan.global_keys)
+    if keys != job.asset_layer.selected_asset_keys:
+        job = job.get_subset(asset_selection=set(keys))
+    tags = {**_tags(plan), PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+    return job, instance.create_run_for_job(job, run_config=QUIET_RUN_CONFIG, tags=tags, asset_selection=keys)
+
+
+def _execute_here(job_run: tuple[dg.JobDefinition, dg.DagsterRun], instance: dg.DagsterInstance,
+                  summary: RunSummary, stop: Stop) -> None:
+    from dagster._core.definitions.job_base import InMemoryJob
+    from dagster._core.execution.api import execute_run
+
+    job, run = job_run
+    result = execute_run(InMemoryJob(job), run, instance)
+    summary.runs += 1
+    summary.global_run = run.run_id
+    if stop.received() is not None:
+        instance.report_run_canceled(result.dagster_run, stop.reason)
+    elif not result.success:
+        run_failures(instance, instance.get_run_by_id(run.run_id), summary.failed)
 
 
 def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progress_bar: bool) -> None:

@@ -27,10 +27,13 @@ def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
     logged when it started, else -- launched but not started yet -- the code server asked to start it,
     and before even that, a daemon serving the instance."""
     dead = []
-    in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING,
-                                        dg.DagsterRunStatus.CANCELING])
+    # (NOT_STARTED: a run this process or another created to execute itself, killed before it started)
+    in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTED,
+                                        dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING])
     daemon_alive = functools.cache(lambda: _daemon_alive(instance))
     for run in instance.get_runs(filters=in_flight):
+        if run.status == dg.DagsterRunStatus.NOT_STARTED and PID_TAG not in run.tags:
+            continue  # someone else's (a launcher's, the UI's): not ours to judge before it starts
         why = _why_gone(instance, run, daemon_alive)
         if why is None:
             continue

@@ -23,6 +23,7 @@ class RunSummary:
     stopped_by: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
     not_run: list[str] = field(default_factory=list)  # shards left for the next run after a stop
     backfills: list[str] = field(default_factory=list)  # queued: the backfills this run launched
+    global_run: str | None = None  # queued: the unpartitioned assets' run, when it executed in this process
     waited_on: list[str] = field(default_factory=list)  # queued: other processes' backfills this run waited for
     shards_settled: int = 0  # storage id of the newest shard materialization when the global step began
     shard_count: int = 0  # shards registered (``shards`` are the partitions: shards, or blocks of them)

@@ -2,6 +2,8 @@
 read back by the real webdataset, embedding-reader and DALLE2-pytorch loaders."""
 
 import importlib.util
+import os
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -15,7 +17,10 @@ from shardprep.keys import index_of_key
 from shardprep.layout import Layout
 from shardprep.ledger import load_ledger
 from shardprep.nemo.balanced import complete_tar_counts
-from shardprep_dagster.orchestration.runner import run_pipeline
+from shardprep_dagster.orchestration.launch import in_flight
+from shardprep_dagster.orchestration.recovery import recover_dead_runs
+from shardprep_dagster.orchestration.runner import make_plan, run_pipeline
+from shardprep_dagster.resources.dataset import PID_TAG
 from tests.fixtures import synthetic
 from tests.fixtures.configs import nemo_config, write_config
 from tests.fixtures.energon_read import energon_keys
@@ -86,9 +91,14 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
     summary = run_pipeline(config, instance=instance, progress=False)  # the default: queued, through the daemon
     assert summary.ok, summary.failed
     # the 5 shards through every per-shard asset in one run per download slot (fewer shards than the slots'
-    # 8 shards per run each: orchestration.queued.spread), then the global assets
+    # 8 shards per run each: orchestration.queued.spread), then the global assets in a run of this process
+    # (the in-process executor: orchestration.queued._globals_here), one run, not a backfill
     slots = instance.event_log_storage.get_concurrency_info("download").slot_count
-    assert len(summary.backfills) == summary.runs == min(5, slots) + 1
+    assert len(summary.backfills) == min(5, slots) and summary.runs == min(5, slots) + 1
+    global_runs = [r for r in instance.get_runs() if "dagster/backfill" not in r.tags]
+    assert len(global_runs) == 1 and global_runs[0].status == dg.DagsterRunStatus.SUCCESS
+    assert global_runs[0].tags[PID_TAG] == str(os.getpid())  # a kill of this process leaves it recoverable
+    assert summary.global_run == global_runs[0].run_id
     assert summary.shards == ["00000", "00001", "00002", "00003", "00004"]
     assert summary.materialized == materialized(5)
 
@@ -270,6 +280,29 @@ def check_nemo_outputs(layout: Layout, success_keys: set, aesthetic: dict | None
     diffusion = energon_keys(layout.diffusion_dir, "train", Crude()) + \
         energon_keys(layout.diffusion_dir, "val", Crude())
     assert sorted(diffusion) == sorted(success_keys)
+
+
+def test_the_global_run_here_is_in_flight_from_its_creation_and_recovered_when_its_process_dies(dataset, instance):
+    """Another `shardprep run` must see the unpartitioned assets' run in flight from the moment this process
+    decides to run them (created under the submit lock, before it executes), and a kill of this process
+    must not leave it in flight for ever."""
+    from shardprep_dagster.orchestration.queued import _global_run, _globals_here
+
+    config, _, _ = dataset
+    plan = make_plan(config, instance)
+    assert _globals_here(plan)  # the default executor
+    _, run = _global_run(plan, instance)
+    busy, _ = in_flight(instance)
+    assert {k: v for k, v in busy.items() if k in plan.global_keys} == {k: {""} for k in plan.global_keys}
+    assert recover_dead_runs(instance) == []  # this process is alive
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    # as if this process had been killed between creating the run and executing it
+    instance.add_run_tags(run.run_id, {PID_TAG: str(dead.pid)})
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
+    assert recover_dead_runs(instance) == [run.run_id]
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert not any(k in in_flight(instance)[0] for k in plan.global_keys)
 
 
 def test_rerun_does_only_missing_work(dataset, instance, image_site):
