@@ -217,9 +217,9 @@ def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], 
 
 
 def _launch_globals(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, follower: _Follower) -> bool:
-    """Launch the unpartitioned assets when they must run and no one else runs them; wait for ours or
-    theirs. True when it waited on someone else's (whose result must be checked: it may have failed, or
-    died with its process)."""
+    """Run the unpartitioned assets (here, or as a backfill: ``_globals_here``) when they must run and no
+    one else runs them; else wait for theirs. True when it waited on someone else's (whose result must be
+    checked: it may have failed, or died with its process)."""
     here = None
     with instance_lock(instance, "submit"):
         busy, busy_ids = in_flight(instance)
