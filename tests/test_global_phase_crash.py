@@ -95,10 +95,14 @@ def test_kill_9_in_the_global_phase_then_one_rerun_completes(dataset):
         add_source(src, base_url, seed, rows=10 if seed > 1 else 20)
         run = Cli(home, "run", "--config", config, "--no-progress")
         run.wait_for("updating balanced tars")
-        time.sleep(random.Random(seed).uniform(0.5, 10.0))
+        # the CLI runs the global assets itself (orchestration.queued._globals_here), for a few seconds: the
+        # kill must land while it does (with up to 10 s, as when a backfill ran them, one round killed nothing)
+        time.sleep(random.Random(seed).uniform(0.1, 1.0))
+        assert run.proc.poll() is None, "the global phase was over before the kill"
         killed = kill_instance(home, run.proc.pid)
         assert len(killed) > 1, "only the CLI was running"
-        run.finish()
+        rc, text = run.finish()
+        assert rc == -9 and "runs this time" not in text, text  # killed before its summary
 
         rerun = Cli(home, "run", "--config", config, "--no-progress")
         rc, text = rerun.finish()
