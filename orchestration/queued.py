@@ -281,7 +281,7 @@ def _execute_here(job_run: tuple[dg.JobDefinition, dg.DagsterRun], instance: dg.
     if stop.received() is not None:
         instance.report_run_canceled(result.dagster_run, stop.reason)
     elif not result.success:
-        run_failures(instance, instance.get_run_by_id(run.run_id), summary.failed)
+        run_failures(instance, run, summary.failed)  # (reads the run's id, tags and events)
 
 
 def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progress_bar: bool) -> None:
