@@ -12,6 +12,7 @@ import pytest
 from shardprep_dagster.orchestration.runner import run_pipeline
 from tests.fixtures import synthetic
 from tests.fixtures.configs import CHECKOUT, nemo_config, write_config
+from tests.fixtures.live_dagster import prepare_home
 
 
 @pytest.fixture
@@ -22,15 +23,21 @@ def source(tmp_path, image_site):
     return f"{src}/*.parquet", tmp_path / "out"
 
 
-def test_a_global_asset_failure_names_its_cause(tmp_path, source, tiny_clip_dir, tiny_nemo_dirs):
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_global_asset_failure_names_its_cause(tmp_path, source, tiny_clip_dir, tiny_nemo_dirs, in_process):
+    # queued (in_process False): the global assets run in the CLI's own process, not as a backfill
+    # (orchestration.queued._globals_here), and their failure is reported from that run
     glob, out = source
     config = write_config(tmp_path / "c.yaml", source=glob, output_root=str(out), samples_per_shard=10,
                           image_size=32, allow_private_addresses=True, clip_model=f"hf_clip:{tiny_clip_dir}",
                           batch_size=16, tar_chunk_size=4, **nemo_config(tiny_nemo_dirs), enable_nemo_diffusion=False)
     out.mkdir()
     (out / "report").write_text("a file where the report's folder must go")
-    with dg.instance_for_test() as instance:
-        summary = run_pipeline(config, instance=instance, progress=False, in_process=True)
+    with (dg.instance_for_test() if in_process else
+          dg.DagsterInstance.from_config(str(prepare_home(tmp_path / "home")))) as instance:
+        summary = run_pipeline(config, instance=instance, progress=False, in_process=in_process)
+    if not in_process:
+        assert summary.global_run is not None and summary.backfills  # the shards through backfills
     assert not summary.ok
     error = summary.failed["(global)"]
     assert error.startswith("dataset_report: ") and "Error occurred while executing" not in error, error
