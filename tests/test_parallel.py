@@ -63,6 +63,15 @@ def slow_source(tmp_path, tiny_clip_dir):
 
 
 @pytest.fixture
+def slower_source(tmp_path, tiny_clip_dir):
+    """``slow_source`` at 1.2 s an image (a shard ~5 s, a run of 3 ~15 s): two runs' downloads overlap even
+    when the second run's process starts ~11 s after the first's, as seen on a loaded 2-core machine."""
+    with slow_image_source(tmp_path, tiny_clip_dir, rows=48, samples_per_shard=8, slow_seconds=1.2,
+                           thread_count=2, seed=5, batch_size=16) as source:
+        yield source
+
+
+@pytest.fixture
 def two_shards_per_run(monkeypatch):
     # backfill runs of two shards each (every per-shard asset in one run): 3 runs in flight at once
     monkeypatch.setenv("SHARDPREP_DOWNLOAD_SHARDS_PER_RUN", "2")
@@ -125,7 +134,7 @@ def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_sou
     assert all(device[a.run_id] != device[b.run_id] for a, b in together)
 
 
-def test_a_small_backfill_is_spread_over_the_download_slots(slow_source, tmp_path):
+def test_a_small_backfill_is_spread_over_the_download_slots(slower_source, tmp_path):
     """6 shards, 8 per run by default: Dagster would make one run downloading them one after the other
     while the second download slot idled. `shardprep run` launches one backfill per slot instead."""
     from shardprep_dagster.orchestration.queued import spread
@@ -135,7 +144,7 @@ def test_a_small_backfill_is_spread_over_the_download_slots(slow_source, tmp_pat
     assert spread(list("abcde"), slots=8, per_run=8) == [[p] for p in "abcde"]
     assert spread(list("abcdefgh"), slots=2, per_run=4) == [list("abcdefgh")]  # enough runs already
     assert spread(["a"], slots=2, per_run=8) == [["a"]] and spread([], slots=2, per_run=8) == []
-    summary, home = _run_six_shards(slow_source[0], tmp_path, {"download": 2, "gpu": 1})
+    summary, home = _run_six_shards(slower_source[0], tmp_path, {"download": 2, "gpu": 1})
     with dg.DagsterInstance.from_config(str(home)) as instance:
         done = steps(instance)
         ranges = sorted((r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
