@@ -614,15 +614,17 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"- limit: {r['limit']['images']} images (the rows' successful images, same order, read into memory "
               f"first), {PROCESSES} processes each running one single-thread loop over its share: simplejpeg "
               "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, OpenCV for PNGs + compositing on white, "
-              "OpenCV INTER_AREA (lanczos when upscaling) to img2dataset's size, white border, OpenCV JPEG encode "
+              "the engine's antialiased bilinear downscale (torch's uint8 kernel; lanczos when upscaling) to "
+              "img2dataset's size, white border, OpenCV JPEG encode "
               f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops. What the engine does on top: "
               "HTTP, header and truncation checks, EXIF, sha256, tar, parquet, threads, start-up",
               f"- same output: identical status counts, keys, tar members, json sizes/statuses/sha256 per key. "
               f"Pixels (our `fast_decode` JPEGs against img2dataset's, per image): PSNR min {_fmt(q['psnr_min'])} dB, "
               f"median {_fmt(q['psnr_median'])} dB; mean absolute difference max {_fmt(q['mad_max'], 2)}, median "
               f"{_fmt(q['mad_median'], 2)} grey levels; {q['byte_identical']} of {q['images']} byte-identical "
-              "(images that need no DCT reduction decode exactly as img2dataset's; with `fast_decode: false` "
-              "every image is byte-identical, checked by tests/test_image_shards.py and tests/test_fast_paths.py)",
+              "(those img2dataset does not resize: `fast_decode` downscales with an antialiased bilinear filter where "
+              "img2dataset uses OpenCV's area resize; with `fast_decode: false` every image is byte-identical, "
+              "checked by tests/test_image_shards.py and tests/test_fast_paths.py)",
               ""]
     if "clip" in results:
         r = results["clip"]
