@@ -16,8 +16,8 @@ DCT scaling (OpenCV's ``IMREAD_REDUCED_*``, as PIL's ``draft``), choosing the la
 that still leaves ``DRAFT_GAP`` times the target size, and every downscale (reduced or not, PNGs
 too) is an antialiased bilinear resize (torch's uint8 kernel: PIL's and torchvision's filter) to
 exactly the size img2dataset would produce (computed from the original size), where img2dataset
-uses OpenCV's area resize, which has no vectorised path at a fractional factor (~3x the time).
-Sizes, statuses and metadata are unchanged; pixels differ slightly (bench/RESULTS.md gives PSNR
+uses OpenCV's area resize, which has no vectorised path at a fractional factor (twice the time).
+Sizes, statuses and metadata are unchanged; pixels differ slightly (bench/IMAGES.md gives PSNR
 against the exact path); upscales and ``resize_mode: no`` are the exact path's. Most of the cost of
 big JPEGs is the full-size decode and the resize over every decoded pixel; both shrink with the
 reduction. With ``fast_decode`` the JPEGs (RGB and greyscale) are decoded by simplejpeg, the same
@@ -58,7 +58,7 @@ TRUNCATED_ERROR = "Image decoding error: truncated JPEG (no end-of-image marker)
 cv2.setNumThreads(1)
 
 # fast_decode keeps at least this many decoded pixels per output pixel along each side, so the
-# area resize still averages (PIL's ``reducing_gap`` idea; 2 keeps PSNR vs the exact path > 40 dB
+# downscale still averages (PIL's ``reducing_gap`` idea; 2 keeps PSNR vs the exact path > 40 dB
 # on photo-like images, see bench/RESULTS.md)
 DRAFT_GAP = 2.0
 _REDUCED_FLAGS = {  # (reduction, greyscale) -> imdecode flags; orientation ignored like IMREAD_UNCHANGED
@@ -186,9 +186,9 @@ def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int
 
 
 # fast_decode's downscale: antialiased bilinear (PIL's and torchvision's filter: a triangle as wide as the
-# scale factor), where OpenCV's INTER_AREA has no SIMD path at a fractional factor. torch's uint8 kernel
-# runs it at ~0.4 ms for a typical web photo against ~1.3-1.7 ms, ~20% of the download's CPU per image;
-# PSNR against img2dataset's area resize min 46.8, median 53.0 dB on the benchmark's images (bench/E2E.md)
+# scale factor), where OpenCV's INTER_AREA has no SIMD path at a fractional factor. On the benchmark site's
+# images it takes 0.65 ms an image on average against 1.3 ms (a ~5 ms image's pixel work); PSNR against
+# the area resize min 46.8, median 53.0 dB; the engine's pixels against img2dataset's in bench/IMAGES.md
 ANTIALIASED = -1  # not an OpenCV flag
 
 
