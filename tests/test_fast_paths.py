@@ -111,6 +111,11 @@ def test_fast_decode_downscales_small_images_pngs_and_cmyk_antialiased():
             a, b = _pixels(fast.data), _pixels(exact.data)
             # 44-51 dB, 0.3-1.2 grey levels: the two filters differ most on the synthetic sensor noise
             assert a.shape == b.shape and _psnr(a, b) > 42 and np.abs(a - b).mean() < 1.5, mode
+    # 16-bit PNGs (torch's kernel is uint8 only) keep OpenCV's area resize: the exact path's bytes
+    for shape in ((500, 700), (500, 700, 3), (500, 700, 4)):
+        deep = cv2.imencode(".png", np.random.default_rng(3).integers(0, 65536, shape).astype(np.uint16))[1].tobytes()
+        exact = resize.resize_image(deep, image_size=256)
+        assert exact.error is None and resize.resize_image(deep, image_size=256, fast_decode=True) == exact
     # upscaling and resize_mode "no" never take the fast path
     assert resize.resize_image(small, image_size=512, fast_decode=True) == resize.resize_image(small, image_size=512)
     big = _jpeg(1200, 900)

@@ -172,13 +172,15 @@ def _target(height: int, width: int, scale: float) -> tuple[int, int]:
 def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int, int] | None = None) -> np.ndarray:
     """Resize by ``scale`` like albumentations; ``target`` (h, w) overrides the size, for an image
     decoded at reduced scale whose size img2dataset would have computed from the original.
-    ``interpolation`` ``ANTIALIASED``: ``_antialiased`` instead of OpenCV."""
+    ``interpolation`` ``ANTIALIASED``: ``_antialiased`` for 8-bit images, OpenCV's area resize otherwise."""
     height, width = img.shape[:2]
     new_h, new_w = target if target is not None else _target(height, width, scale)
     if (new_h, new_w) == (height, width):
         return img
     if interpolation == ANTIALIASED:
-        return _antialiased(img, new_w, new_h)
+        if img.dtype == np.uint8:
+            return _antialiased(img, new_w, new_h)
+        interpolation = cv2.INTER_AREA  # 16-bit PNGs and the like: torch's kernel is uint8 only
     out = cv2.resize(img, (new_w, new_h), interpolation=interpolation)
     if img.ndim == 3 and out.ndim == 2:  # cv2 drops a single channel axis; albumentations keeps it
         out = out[..., np.newaxis]
