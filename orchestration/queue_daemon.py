@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import dagster as dg
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
@@ -71,16 +72,28 @@ def _mtime(path: str) -> float:
         return 0
 
 
-def _state(instance: dg.DagsterInstance) -> tuple[int, int, int, int]:
-    """(runs in flight, runs finished, backfills active, backfills ever): counts whose change means the
-    daemons have something to do (a run to launch, a finished run's downstream to request, a backfill to
-    start). The last one because a backfill added as another completes leaves the active count as it was:
-    `shardprep run` launches its unpartitioned assets' backfill just as its shards' one ends, which waited
-    BUSY_POLL_SECONDS (15 s of a 2 x 10,000-row chain's ~100 s) for its first run."""
-    return (instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
-            instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
-            instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)),
-            instance.get_backfills_count())
+class _State(NamedTuple):
+    in_flight: int
+    queued: int
+    finished: int
+    backfills_active: int
+    backfills_ever: int
+
+
+def _state(instance: dg.DagsterInstance) -> _State:
+    """Counts of runs and backfills whose change means the daemons have something to do (a run to launch,
+    a finished run's downstream to request, a backfill to start). ``queued`` on its own because the
+    backfill daemon creates a run (NOT_STARTED, in flight) and enqueues it only after logging its planned
+    events, ~1 s later: a look in between poked the run-queue daemon too early, and the enqueue, leaving
+    the in-flight count as it was, waited BUSY_POLL_SECONDS (a 2 x 10,000-row chain's first runs started
+    15 s after they were queued). ``backfills_ever`` because one added as another completes leaves the
+    active count as it was: `shardprep run` launches its unpartitioned assets' backfill just as its
+    shards' one ends, which waited as long."""
+    return _State(in_flight=instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
+                  queued=instance.get_runs_count(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED])),
+                  finished=instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
+                  backfills_active=instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)),
+                  backfills_ever=instance.get_backfills_count())
 
 
 def _until(poke: threading.Event, shutdown_event: threading.Event):
@@ -220,7 +233,7 @@ def serve(idle_seconds: float) -> int:
             if busy.is_set() or poked != woken_at or now - last_check >= IDLE_POLL_SECONDS:
                 woken_at, last_check = poked, now
                 state = _state(instance)
-                if state[0] or state[2]:
+                if state.in_flight or state.backfills_active:
                     busy.set()
                 else:
                     busy.clear()

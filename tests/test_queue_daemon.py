@@ -23,8 +23,29 @@ def test_a_backfill_added_as_another_completes_changes_the_daemon_state():
         instance.update_backfill(first.with_status(BulkActionStatus.COMPLETED_SUCCESS))
         instance.add_backfill(_backfill("second"))
         after = _state(instance)
-        assert before[2] == after[2] == 1
+        assert before.backfills_active == after.backfills_active == 1
         assert after != before
+
+
+def test_a_run_enqueued_after_it_was_created_changes_the_daemon_state():
+    # the backfill daemon creates a run (NOT_STARTED) and enqueues it ~1 s later, after its planned events:
+    # a look in between saw the run in flight already, and the run-queue daemon, poked then, found nothing
+    # queued and waited its busy poll (15 s) for the enqueue
+    from dagster._core.events import DagsterEvent
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+    from dagster._core.test_utils import create_run_for_test
+
+    origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("shardprep"), "r"), "x")
+    with dg.instance_for_test() as instance:
+        run = create_run_for_test(instance, job_name="x", status=dg.DagsterRunStatus.NOT_STARTED,
+                                  remote_job_origin=origin)
+        created = _state(instance)
+        instance.report_dagster_event(DagsterEvent.job_enqueue(run), run_id=run.run_id)
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.QUEUED
+        enqueued = _state(instance)
+        assert created.in_flight == enqueued.in_flight == 1
+        assert (created.queued, enqueued.queued) == (0, 1)
+        assert enqueued != created
 
 
 def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serves(tmp_path):
