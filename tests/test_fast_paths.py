@@ -15,6 +15,8 @@
 import io
 import os
 import random
+import subprocess
+import sys
 import tarfile
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -278,10 +280,41 @@ def test_loader_grouping_matches_webdataset(tmp_path):
         list(tar_samples([{"url": str(tmp_path / "d.tar")}]))
 
 
-def test_keep_freed_memory_runs():
-    from shardprep.dataloaders.worker import keep_freed_memory
+_MALLOC_PROBE = """
+import ctypes, sys
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+from shardprep.allocator import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "tuned" else None
+mapped = libc.mallinfo2().hblkhd
+block = libc.malloc(16 << 20)
+mapped = libc.mallinfo2().hblkhd - mapped
+libc.free(block)
+print(applied, mapped, libc.mallinfo2().fordblks)
+"""
 
-    keep_freed_memory(0)  # glibc here; elsewhere it does nothing
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("env", [{}, {"MALLOC_TOP_PAD_": "131072"}], ids=["ours", "user-chosen"])
+def test_keep_freed_memory_serves_image_sized_blocks_from_the_heap_and_keeps_them(env):
+    """A 16 MiB block (a decoded 2,300 x 2,300 image) is mapped afresh with glibc's defaults; with
+    ``keep_freed_memory`` it comes from the heap and stays there once freed, for the next image. Where
+    the user set malloc's environment, nothing is changed."""
+    def probe(mode):
+        out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+        return out[0], int(out[1]), int(out[2])
+
+    assert probe("default")[1] >= 16 << 20  # glibc's own: mapped
+    applied, mapped, free_in_heap = probe("tuned")
+    if env:
+        assert applied == "False" and mapped >= 16 << 20
+    else:
+        assert applied == "True" and mapped == 0 and free_in_heap >= 16 << 20
 
 
 # ---------------------------------------------------------------------------------------------

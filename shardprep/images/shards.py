@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardprep import politeness, robots, waiting
+from shardprep import allocator, politeness, robots, waiting
 from shardprep.config import DatasetConfig
 from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.resize import resize_image
@@ -251,6 +251,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     ``takedowns``: the samples to leave out (default: the lists registered under ``layout`` and the
     config's, ``shardprep.takedown``)."""
     start_time = time.time()
+    allocator.keep_freed_memory()  # decoded images reuse freed memory instead of faulting in new pages
     shard = shard_key(shard_id, cfg.oom_shard_count)
     columns = input_columns(cfg)
     missing = [src for src, _ in columns if src not in table.column_names]
