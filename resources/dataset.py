@@ -7,6 +7,7 @@ import socket
 import dagster as dg
 from pydantic import PrivateAttr
 
+from shardprep.allocator import freeze_startup_objects
 from shardprep.config import DatasetConfig, load_config
 from shardprep.layout import Layout
 from shardprep.storage import stat
@@ -45,6 +46,8 @@ class DatasetResource(dg.ConfigurableResource):
     _run_config_path: str | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        # a run worker's imports are done: the collector need not walk them again (shardprep.allocator)
+        freeze_startup_objects()
         run = context.run
         self._run_config_path = run.tags.get(CONFIG_TAG) if run is not None else None
         if run is not None and context.instance is not None and run.tags.get(PID_TAG) != str(os.getpid()):

@@ -317,6 +317,56 @@ def test_keep_freed_memory_serves_image_sized_blocks_from_the_heap_and_keeps_the
         assert applied == "True" and mapped == 0 and free_in_heap >= 16 << 20
 
 
+def test_collector_paused_until_the_last_of_overlapping_threads_leaves():
+    import gc
+    import threading
+
+    from shardprep.allocator import collector_paused
+
+    assert gc.isenabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with collector_paused():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with collector_paused():
+            second_in.set()
+            first_out.wait(5)
+            seen["after the first left"] = gc.isenabled()
+        seen["after both left"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after the first left": False, "after both left": True}
+    gc.disable()  # the caller's own choice is what is restored
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_freeze_startup_objects_freezes_once_per_process():
+    code = ("import gc\nfrom shardprep.allocator import freeze_startup_objects\n"
+            "freeze_startup_objects(); first = gc.get_freeze_count()\n"
+            "later = [[i] for i in range(1000)]\n"
+            "freeze_startup_objects(); print(first, gc.get_freeze_count())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+    first, second = map(int, out)
+    assert first > 1000 and second == first  # the later objects stay with the collector
+
+
 # ---------------------------------------------------------------------------------------------
 # CLIP
 
@@ -326,6 +376,13 @@ def encoder(tiny_clip_dir):
     from shardprep.models.clip import load_clip_encoder
 
     return load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="cpu")
+
+
+def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(encoder):
+    import gc
+
+    # loaded with the collector paused (shardprep.allocator): on again after, the model's objects frozen
+    assert gc.isenabled() and gc.get_freeze_count() > 0
 
 
 def test_image_spec_is_read_off_the_preprocess(encoder):

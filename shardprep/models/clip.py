@@ -30,6 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from shardprep.allocator import collector_paused
+
 # Real model loads in this process (the cache below makes repeated loads free); tests assert on it.
 LOAD_COUNT = 0
 _CACHE: dict[tuple[str, str, bool], "ClipEncoder"] = {}
@@ -430,14 +432,15 @@ def load_clip_encoder(spec: str, device: str = "auto", use_jit: bool = False) ->
         enc = _CACHE.get(key)
         if enc is not None:
             return enc
-        from all_clip import load_clip
+        with collector_paused():  # torch, transformers and the model: no full collections meanwhile
+            from all_clip import load_clip
 
-        try:
-            model, preprocess, tokenizer = load_clip(
-                clip_model=spec, use_jit=use_jit, warmup_batch_size=1, device=resolved
-            )
-        except Exception as e:
-            raise RuntimeError(f"could not load CLIP model {spec!r} on {resolved}: {type(e).__name__}: {e}") from e
+            try:
+                model, preprocess, tokenizer = load_clip(
+                    clip_model=spec, use_jit=use_jit, warmup_batch_size=1, device=resolved
+                )
+            except Exception as e:
+                raise RuntimeError(f"could not load CLIP model {spec!r} on {resolved}: {type(e).__name__}: {e}") from e
         if hasattr(model, "eval"):
             model.eval()
         enc = ClipEncoder(spec, resolved, model, preprocess, tokenizer)
