@@ -51,12 +51,14 @@ def _start_daemon_early(config: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from shardprep.allocator import collector_paused
     from shardprep.errors import ShardprepError
 
     try:
         if not args.in_process:
             _start_daemon_early(args.config)
-        from shardprep_dagster.orchestration.runner import run_pipeline
+        with collector_paused():  # Dagster and the code location: ~4 full collections otherwise, at the start
+            from shardprep_dagster.orchestration.runner import run_pipeline
 
         if args.verify:
             _verify(args.config, mark=True)
