@@ -5,9 +5,9 @@ its work began (``freeze_startup_objects``) and stays out of heavy imports (``co
 Each downloaded image (each loader sample) is decoded into a fresh array of up to tens of MB and freed
 a few milliseconds later. With glibc's defaults such arrays are mapped and unmapped, and the top of each
 thread arena is trimmed once 128 KiB are free, so the next image faults the same pages in again, each
-zeroed by the kernel. Measured: two 10,000-row download shards side by side spent ~1.7 of ~36
-CPU-seconds per process more in the kernel, ~5% of their CPU time in all (bench/IMAGES.md); a loader
-worker on a small VM ~30%. With the settings below allocations under 32 MiB come from the arenas,
+zeroed by the kernel. Measured: two 10,000-row download shards side by side spent ~1.5 of ~37
+CPU-seconds per process more in the kernel, 3-4% of their CPU time in all (A/B, bench/IMAGES.md); a
+loader worker on a small VM ~30%. With the settings below allocations under 32 MiB come from the arenas,
 which keep up to 256 MiB free at their top and grow by 64 MiB at a time; the price is a resident size
 at its high-water mark (+~150 MiB per download process, measured).
 
@@ -62,8 +62,9 @@ def freeze_startup_objects() -> None:
 
     A run worker holds ~500k objects before its first step (Dagster, the code location, torch,
     transformers); each full collection walks all of them (~0.3 s), and a shard's work (a CLIP model
-    built, 10,000 rows downloaded) set off several: ~2 s of collector time per 10,000-row run worker in
-    the chain benchmark (bench/E2E.md). Frozen, they are never walked again. The cost: a reference
+    built, 10,000 rows downloaded) set off several. With ``collector_paused`` around the model's load,
+    a 10,000-row run worker of the chain benchmark spent ~0.4 s in the collector instead of ~2 s
+    (bench/E2E.md). Frozen, they are never walked again. The cost: a reference
     cycle among them that later becomes garbage is never freed, so this is done once, at a worker's
     start, not after each unit of work."""
     global _frozen
