@@ -378,11 +378,16 @@ def encoder(tiny_clip_dir):
     return load_clip_encoder(f"hf_clip:{tiny_clip_dir}", device="cpu")
 
 
-def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(encoder):
-    import gc
-
-    # loaded with the collector paused (shardprep.allocator): on again after, the model's objects frozen
-    assert gc.isenabled() and gc.get_freeze_count() > 0
+def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(tiny_clip_dir):
+    # in a fresh process, where nothing else froze anything: loaded with the collector paused
+    # (shardprep.allocator), it is on again after and the model's objects are frozen
+    code = ("import gc, sys\nfrom shardprep.models.clip import load_clip_encoder\n"
+            "before = gc.get_freeze_count()\n"
+            "load_clip_encoder('hf_clip:' + sys.argv[1], device='cpu')\n"
+            "print(gc.isenabled(), before, gc.get_freeze_count())\n")
+    out = subprocess.run([sys.executable, "-c", code, tiny_clip_dir], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.splitlines()[-1].split()
+    assert out[0] == "True" and int(out[1]) == 0 and int(out[2]) > 10_000  # (all_clip prints before)
 
 
 def test_image_spec_is_read_off_the_preprocess(encoder):
