@@ -205,3 +205,23 @@ def test_several_cli_runs_at_once_do_each_pair_once(image_site, tiny_clip_dir, t
     assert {(a, s) for a in per_shard for s in shards + ["00003", "00004"]} <= set(counts)
     assert counts[("image_energon_index", None)] == counts[("dataset_report", None)] == 2  # one more update
     assert [p for p in root.rglob("*") if ".tmp-" in p.name] == []
+
+
+def test_both_instance_configs_launch_queued_runs_from_several_threads(tmp_path):
+    """Dagster's code server answers a launch only once the run's worker process has imported everything
+    (~2 s): launched one at a time, the second shard's run started that much after the first while a core
+    idled (bench/E2E.md). Both instance files of the checkout launch from threads, and Dagster accepts
+    that beside their `concurrency` block."""
+    import yaml
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((CHECKOUT / "dagster.yaml").read_text())
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        coordinator = instance.run_coordinator
+        assert coordinator.dequeue_use_threads and coordinator.dequeue_num_workers >= 2
+        assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 8
+    sqlite, postgres = (yaml.safe_load((CHECKOUT / name).read_text()) for name in ("dagster.yaml",
+                                                                                  "dagster.postgres.yaml"))
+    assert postgres["run_coordinator"] == sqlite["run_coordinator"]
+    assert postgres["concurrency"] == sqlite["concurrency"]
