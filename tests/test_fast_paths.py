@@ -390,6 +390,18 @@ def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(tiny_clip_dir
     assert out[0] == "True" and int(out[1]) == 0 and int(out[2]) > 10_000  # (all_clip prints before)
 
 
+def test_resolving_the_device_imports_torch_with_the_collector_paused():
+    # often a run worker's first import of torch (the embedding thread gets there before any download
+    # resizes): in a fresh process, no collection runs while it imports, and the collector is on after
+    code = ("import gc\nfrom shardprep.models.clip import resolve_device\nruns = []\n"
+            "gc.callbacks.append(lambda phase, info: phase == 'start' and runs.append(info['generation']))\n"
+            "device = resolve_device('cpu')\nimport torch\n"
+            "print(device, gc.isenabled(), len(runs), gc.get_freeze_count() > 10_000)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+    assert out == ["cpu", "True", "0", "True"]
+
+
 def test_image_spec_is_read_off_the_preprocess(encoder):
     import torchvision.transforms as T
     from clip.clip import _transform

@@ -39,7 +39,8 @@ _LOCK = threading.Lock()
 
 
 def resolve_device(device: str = "auto") -> str:
-    import torch
+    with collector_paused():  # often the process's first import of torch: no full collections meanwhile
+        import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
