@@ -356,14 +356,19 @@ def test_collector_paused_until_the_last_of_overlapping_threads_leaves():
         gc.enable()
 
 
+def _in_fresh_python(code: str, *args: str) -> list[str]:
+    """The words of the last line ``code`` prints, run in a new interpreter from the checkout (where
+    nothing was imported, frozen or collected before)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__))).stdout.splitlines()[-1].split()
+
+
 def test_freeze_startup_objects_freezes_once_per_process():
     code = ("import gc\nfrom shardprep.allocator import freeze_startup_objects\n"
             "freeze_startup_objects(); first = gc.get_freeze_count()\n"
             "later = [[i] for i in range(1000)]\n"
             "freeze_startup_objects(); print(first, gc.get_freeze_count())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
-    first, second = map(int, out)
+    first, second = map(int, _in_fresh_python(code))
     assert first > 1000 and second == first  # the later objects stay with the collector
 
 
@@ -385,8 +390,7 @@ def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(tiny_clip_dir
             "before = gc.get_freeze_count()\n"
             "load_clip_encoder('hf_clip:' + sys.argv[1], device='cpu')\n"
             "print(gc.isenabled(), before, gc.get_freeze_count())\n")
-    out = subprocess.run([sys.executable, "-c", code, tiny_clip_dir], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.splitlines()[-1].split()
+    out = _in_fresh_python(code, tiny_clip_dir)
     assert out[0] == "True" and int(out[1]) == 0 and int(out[2]) > 10_000  # (all_clip prints before)
 
 
@@ -397,9 +401,7 @@ def test_resolving_the_device_imports_torch_with_the_collector_paused():
             "gc.callbacks.append(lambda phase, info: phase == 'start' and runs.append(info['generation']))\n"
             "device = resolve_device('cpu')\nimport torch\n"
             "print(device, gc.isenabled(), len(runs), gc.get_freeze_count() > 10_000)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
-    assert out == ["cpu", "True", "0", "True"]
+    assert _in_fresh_python(code) == ["cpu", "True", "0", "True"]
 
 
 def test_image_spec_is_read_off_the_preprocess(encoder):
