@@ -396,12 +396,14 @@ def test_loading_clip_leaves_the_collector_on_and_the_model_frozen(tiny_clip_dir
 
 def test_resolving_the_device_imports_torch_with_the_collector_paused():
     # often a run worker's first import of torch (the embedding thread gets there before any download
-    # resizes): in a fresh process, no collection runs while it imports, and the collector is on after
+    # resizes): in a fresh process, no collection runs while it imports, and the collector is on after.
+    # Only then: a later call (each shard resolves its device) freezes nothing more
     code = ("import gc\nfrom shardprep.models.clip import resolve_device\nruns = []\n"
             "gc.callbacks.append(lambda phase, info: phase == 'start' and runs.append(info['generation']))\n"
-            "device = resolve_device('cpu')\nimport torch\n"
-            "print(device, gc.isenabled(), len(runs), gc.get_freeze_count() > 10_000)\n")
-    assert _in_fresh_python(code) == ["cpu", "True", "0", "True"]
+            "device = resolve_device('cpu')\nimport torch\ncollections, frozen = len(runs), gc.get_freeze_count()\n"
+            "later = [[i] for i in range(1000)]\nresolve_device('cpu')\n"
+            "print(device, gc.isenabled(), collections, frozen > 10_000, gc.get_freeze_count() == frozen)\n")
+    assert _in_fresh_python(code) == ["cpu", "True", "0", "True", "True"]
 
 
 def test_image_spec_is_read_off_the_preprocess(encoder):

@@ -23,6 +23,7 @@ images and 0.995 on small ones (tests/test_fast_paths.py; bench/RESULTS.md).
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import threading
 from dataclasses import dataclass
@@ -38,9 +39,18 @@ _CACHE: dict[tuple[str, str, bool], "ClipEncoder"] = {}
 _LOCK = threading.Lock()
 
 
-def resolve_device(device: str = "auto") -> str:
-    with collector_paused():  # often the process's first import of torch: no full collections meanwhile
+@functools.cache
+def _torch():
+    """torch, imported with the collector paused: often a run worker's first import of it (its embedding
+    thread gets here before any download resizes). Once: the pause's end freezes what the process holds,
+    which must happen at a worker's start, not each time a shard resolves its device."""
+    with collector_paused():
         import torch
+    return torch
+
+
+def resolve_device(device: str = "auto") -> str:
+    torch = _torch()
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
