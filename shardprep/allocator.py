@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import gc
+import importlib
 import os
 import threading
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Iterator
 
 # mallopt parameters (glibc's malloc.h); 32 MiB is glibc's maximum mmap threshold on 64-bit
@@ -119,3 +122,12 @@ def collector_paused() -> Iterator[None]:
                 _freeze()
                 if _was_enabled:
                     gc.enable()
+
+
+@functools.cache
+def import_paused(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` with the collector paused, once per process and module (torch
+    where the first downscale or the first device lookup needs it). Once: the pause's end freezes what
+    the process holds, which belongs to a worker's start, not to each shard that asks again."""
+    with collector_paused():
+        return importlib.import_module(name)

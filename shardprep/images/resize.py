@@ -29,7 +29,6 @@ before.
 
 from __future__ import annotations
 
-import functools
 import io
 from typing import Iterator, NamedTuple
 
@@ -38,7 +37,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
-from shardprep.allocator import collector_paused
+from shardprep.allocator import import_paused
 
 RESIZE_MODES = ("no", "keep_ratio", "center_crop", "border", "keep_ratio_largest")
 INTERPOLATIONS = {
@@ -199,20 +198,12 @@ def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int
 ANTIALIASED = -1  # not an OpenCV flag
 
 
-@functools.cache
-def _torch():
-    """torch and its ``interpolate``, imported at the first downscale (a process that never downscales never
-    loads torch), with the cyclic collector paused meanwhile (``shardprep.allocator``)."""
-    with collector_paused():
-        import torch
-        from torch.nn.functional import interpolate
-    return torch, interpolate
-
-
 def _antialiased(img: np.ndarray, new_w: int, new_h: int) -> np.ndarray:
     """``img`` (HxW or HxWxC uint8) downscaled to (new_h, new_w) by torch's antialiased bilinear, same
     layout. Intra-op threads are left as they are: at these sizes the kernel runs on the calling thread."""
-    torch, interpolate = _torch()
+    # imported at the first downscale (a process that never downscales never loads torch), collector paused
+    torch = import_paused("torch")
+    interpolate = torch.nn.functional.interpolate
     planes = img[:, :, np.newaxis] if img.ndim == 2 else img
     # NCHW over the HWC array's memory (channels-last): the layout torch's vectorised uint8 path takes
     tensor = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)

@@ -23,7 +23,6 @@ images and 0.995 on small ones (tests/test_fast_paths.py; bench/RESULTS.md).
 from __future__ import annotations
 
 import copy
-import functools
 import io
 import threading
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from shardprep.allocator import collector_paused
+from shardprep.allocator import collector_paused, import_paused
 
 # Real model loads in this process (the cache below makes repeated loads free); tests assert on it.
 LOAD_COUNT = 0
@@ -39,18 +38,8 @@ _CACHE: dict[tuple[str, str, bool], "ClipEncoder"] = {}
 _LOCK = threading.Lock()
 
 
-@functools.cache
-def _torch():
-    """torch, imported with the collector paused: often a run worker's first import of it (its embedding
-    thread gets here before any download resizes). Once: the pause's end freezes what the process holds,
-    which must happen at a worker's start, not each time a shard resolves its device."""
-    with collector_paused():
-        import torch
-    return torch
-
-
 def resolve_device(device: str = "auto") -> str:
-    torch = _torch()
+    torch = import_paused("torch")  # often a run worker's first import of it (before any download resizes)
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
