@@ -51,6 +51,7 @@ import sys
 import time
 import traceback
 from importlib import metadata
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -78,8 +79,11 @@ MODES = {
                   chain_1k_rows=1_000, chain_1k_shard=100,
                   video_files=8, video_seconds=4.0, video_shard=5, video_reps=1, gpu_samples=4_000),
 }
-FLOORS = {"images": 1.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "chain-1k": 2.5, "queue": 1.0,
+# issue 22's floors where it sets one (images: 2.5x img2dataset in wall time and per CPU-second, at 80% of
+# the per-core limit; the chain 2.5x), the earlier issues' elsewhere
+FLOORS = {"images": 2.5, "clip": 2.0, "loader": 1.5, "index": 1.0, "chain": 2.5, "chain-1k": 2.5, "queue": 1.0,
           "video": 1.5}
+LIMIT_SHARE_FLOOR = {"images": 0.80}  # the engine's rate per CPU-second against its per-core limit
 PROCESSES = 2  # both sides of the image pair; also clip-retrieval's preprocessing workers, loader workers
 PACKAGES = ("torch", "torchvision", "pillow", "opencv-python-headless", "numpy", "img2dataset", "clip-retrieval",
             "all-clip", "transformers", "webdataset", "dalle2-pytorch", "megatron-energon", "urllib3")
@@ -124,8 +128,9 @@ class Mismatch(RuntimeError):
 
 
 def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str, timeout: float = 600,
-             sample_every: float = 0.02) -> dict:
-    """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each."""
+             sample_every: float = 0.02, after_rep: Callable[[dict], None] | None = None) -> dict:
+    """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each. ``after_rep(runs)``: called
+    after each repetition (a limit loop measured beside each pair of runs, under the same machine load)."""
     runs: dict[str, list] = {"ours": [], "theirs": []}
     for rep in range(reps):
         order = [("ours", ours), ("theirs", theirs)]
@@ -137,6 +142,8 @@ def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: s
             runs[label].append(r)
             print(f"  {side:22s} wall {r.seconds:7.2f}s  work {r.result.get('work_seconds', float('nan')):7.2f}s"
                   f"  cpu {r.cpu_seconds:7.2f}s  peak {r.peak_rss / 2**20:7.0f} MiB  {_short(r.result)}", flush=True)
+        if after_rep is not None:
+            after_rep(runs)
     return runs
 
 
@@ -168,9 +175,19 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     rows = make_url_parquet(parquet, server.url, site, m["image_rows"])
     common = dict(parquet=parquet, samples_per_shard=m["image_shard"], image_size=256, resize_mode="border",
                   encode_quality=95, threads=32, timeout=10, processes=PROCESSES)
+    limit_settings = {"parquet": parquet, "base_url": server.url, "site_dir": os.path.join(WORK, "site"),
+                      "image_size": 256, "resize_mode": "border", "encode_quality": 95, "processes": PROCESSES}
+    limits: list[dict] = []
+
+    def limit_beside(runs: dict) -> None:
+        # the limit once per repetition, right after it: this machine's speed drifts by several percent
+        # over minutes (the same shards: 80-96 CPU-seconds), so a share of the limit is only fair against
+        # a loop measured under the same load
+        limits.append(run_limit("images", limit_settings, runs["ours"][-1].result["successes"], "images", log))
+
     runs = run_pair(("images-ours", {**common, "out": os.path.join(WORK, "images-ours")}),
                     ("images-img2dataset", {**common, "out": os.path.join(WORK, "images-img2dataset")}),
-                    m["image_reps"], log)
+                    m["image_reps"], log, after_rep=limit_beside)
     o, t = runs["ours"][-1].result, runs["theirs"][-1].result
     statuses = ("successes", "failed_to_download", "failed_to_resize")
     if any(o[k] != t[k] for k in statuses):
@@ -180,9 +197,11 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     quality = compare_image_outputs(os.path.join(WORK, "images-ours"), os.path.join(WORK, "images-img2dataset"))
     if quality["mismatch_count"]:
         raise Mismatch(f"images: outputs disagree: {quality['mismatches']}")
-    limit = run_limit("images", {"parquet": parquet, "base_url": server.url, "site_dir": os.path.join(WORK, "site"),
-                                 "image_size": 256, "resize_mode": "border", "encode_quality": 95,
-                                 "processes": PROCESSES}, o["successes"], "images", log)
+    shares = [(r.result["successes"] / r.cpu_seconds) / lim["per_cpu_second"]
+              for r, lim in zip(runs["ours"], limits)]
+    limit = {**limits[-1], "per_cpu_second": median([x["per_cpu_second"] for x in limits]),
+             "loop_cpu_seconds": median([x["loop_cpu_seconds"] for x in limits]),
+             "rates": [x["per_cpu_second"] for x in limits], "shares": shares, "share": median(shares)}
     return {"runs": runs, "rows": rows, "quality": quality, "limit": limit,
             "ours": summarise(runs["ours"], "successes"), "theirs": summarise(runs["theirs"], "successes"),
             "settings": common}
@@ -464,8 +483,10 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
         ratio = ours_rate / their_rate
         mem_ok = o["peak_mib"] <= t["peak_mib"]
         so, st = steady(r["runs"]["ours"]), steady(r["runs"]["theirs"])
-        limit_rate = r["limit"]["per_cpu_second"]
+        lim = r["limit"]
         ours_img_cpu = _rate(o["count"], o["cpu"])
+        cpu_ratio = t["cpu"] / o["cpu"]
+        share_floor = LIMIT_SHARE_FLOOR["images"]
         return [["download + resize + write (vs img2dataset)", "input rows/s, whole run",
                  _fmt(ours_rate), _fmt(their_rate), f"{ratio:.2f}x", f">= {FLOORS['images']}x",
                  "PASS" if ratio >= FLOORS["images"] else "FAIL"],
@@ -474,15 +495,18 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                 ["", "peak memory, process tree (MiB)", _fmt(o["peak_mib"], 0), _fmt(t["peak_mib"], 0),
                  f"{o['peak_mib'] / t['peak_mib']:.2f}x", "<= 1.0x", "PASS" if mem_ok else "FAIL"],
                 ["", "input rows per CPU-second, whole run", _fmt(_rate(rows_n, o["cpu"])),
-                 _fmt(_rate(rows_n, t["cpu"])), f"{t['cpu'] / o['cpu']:.2f}x", "", ""],
+                 _fmt(_rate(rows_n, t["cpu"])), f"{cpu_ratio:.2f}x", f">= {FLOORS['images']}x",
+                 "PASS" if cpu_ratio >= FLOORS["images"] else "FAIL"],
                 ["", "input rows per CPU-second, steady state", _fmt(_rate(rows_n, so["cpu"])),
                  _fmt(_rate(rows_n, st["cpu"])), f"{st['cpu'] / so['cpu']:.2f}x", "", ""],
                 ["", f"per-core limit: the same images through the tightest single-thread loop "
-                 f"({LIMIT_WORK['images']}), images per CPU-second", _fmt(limit_rate),
-                 "", "", "", ""],
-                ["", "successful images per CPU-second, whole run (shardprep: share of the limit)",
-                 f"{_fmt(ours_img_cpu)} ({ours_img_cpu / limit_rate * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
-                 f"{t['cpu'] / o['cpu']:.2f}x", "", ""]]
+                 f"({LIMIT_WORK['images']}), images per CPU-second (median; measured after each repetition)",
+                 _fmt(lim["per_cpu_second"]), "", "", "", ""],
+                ["", "successful images per CPU-second, whole run; shardprep: share of the limit (median of each "
+                 "repetition's run against the limit measured beside it)",
+                 f"{_fmt(ours_img_cpu)} ({lim['share'] * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
+                 f"{cpu_ratio:.2f}x", f">= {share_floor * 100:.0f}% of the limit",
+                 "PASS" if lim["share"] >= share_floor else "FAIL"]]
     if name == "clip":
         n = o["count"]
         ratio = _rate(n, o["work"]) / _rate(n, t["work"])
@@ -616,7 +640,10 @@ def _details(results: dict, errors: dict) -> list[str]:
               "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, OpenCV for PNGs + compositing on white, "
               "the engine's antialiased bilinear downscale (torch's uint8 kernel; lanczos when upscaling) to "
               "img2dataset's size, white border, OpenCV JPEG encode "
-              f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops. What the engine does on top: "
+              f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured after each "
+              "repetition, under the same machine load as its runs: images per CPU-second "
+              f"{', '.join(_fmt(x) for x in r['limit']['rates'])}; shardprep's share of it, run by run: "
+              f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares'])}. What the engine does on top: "
               "HTTP, header and truncation checks, EXIF, sha256, tar, parquet, threads, start-up",
               f"- same output: identical status counts, keys, tar members, json sizes/statuses/sha256 per key. "
               f"Pixels (our `fast_decode` JPEGs against img2dataset's, per image): PSNR min {_fmt(q['psnr_min'])} dB, "
