@@ -139,6 +139,22 @@ def test_antialiased_downscale_is_pils_bilinear_filter(shape):
     assert np.abs(out.reshape(ref.shape).astype(int) - ref).max() <= 1
 
 
+@pytest.mark.parametrize("shape", [(300, 400, 3), (333, 250), (260, 700, 1), (201, 303, 4)])
+def test_antialiased_downscale_writes_interpolates_pixels(shape):
+    """The downscale writes into an HWC array through the op's out= form: the pixels torch's
+    ``interpolate`` gives, in every channel count, from a view (a crop) as from a whole array."""
+    torch = pytest.importorskip("torch")
+    img = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+    for src in (img, img[7:250, 11:240]):
+        planes = src[:, :, np.newaxis] if src.ndim == 2 else src
+        tensor = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
+        ref = torch.nn.functional.interpolate(tensor, size=(97, 61), mode="bilinear", antialias=True,
+                                              align_corners=False)[0].permute(1, 2, 0).numpy()
+        out = resize._antialiased(src, 61, 97)
+        assert out.flags.c_contiguous and out.shape == (97, 61) + src.shape[2:]
+        assert np.array_equal(out.reshape(ref.shape), ref)
+
+
 def test_fast_decode_keeps_failures():
     whole = _jpeg(1200, 900)
     assert resize.resize_image(whole[:-2000], fast_decode=True).error == resize.TRUNCATED_ERROR
