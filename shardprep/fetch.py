@@ -28,6 +28,7 @@ import datetime
 import email.parser
 import email.utils
 import http.client
+import io
 import ipaddress
 import math
 import re
@@ -37,9 +38,9 @@ import ssl
 import sys
 import threading
 import time
-import types
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 from urllib.parse import urljoin
 
@@ -56,7 +57,12 @@ DEFAULT_USER_AGENT = "shardprep/0.1 (+https://github.com/shardprep)"
 # answers whose Retry-After is honoured (RFC 9110 §10.2.3 names 503 and 3xx; 429 is RFC 6585's)
 RETRY_AFTER_STATUSES = (429, 503)
 RATE_LIMIT_WAITS = 3  # per URL: a server that keeps asking to wait is not waited on forever
-_CHUNK = 64 * 1024
+# A shard's pool keeps each host's addresses this long (a browser's order of magnitude: Chrome keeps
+# them a minute): LAION-like sources repeat hosts, and every lookup otherwise costs a thread and a
+# resolver round trip (img2dataset's README has users run a caching resolver for it). The address
+# guard still checks every address before each connection. Failed lookups are not kept.
+DNS_CACHE_SECONDS = 60.0
+DNS_CACHE_ENTRIES = 100_000
 
 
 class Fetched(NamedTuple):
@@ -163,10 +169,231 @@ def parse_headers(fp, _class=http.client.HTTPMessage) -> http.client.HTTPMessage
     return msg
 
 
-class _Response(http.client.HTTPResponse):
-    # http.client's own begin(), reading headers with the parse_headers above
-    begin = types.FunctionType(http.client.HTTPResponse.begin.__code__,
-                               {**vars(http.client), "parse_headers": parse_headers}, "begin")
+_MAXLINE = 65536  # http.client's limits on a status, header, chunk-size or trailer line
+_MAX_HEAD = 100 * _MAXLINE  # its 100 header lines of at most _MAXLINE each
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_RECV = 64 * 1024  # one socket read at most (a body of known length is read into its own buffer instead)
+_ILLEGAL_HEADER_VALUE = re.compile(rb"\n(?![ \t])|\r(?![ \t\n])")  # http.client's check (header injection)
+
+
+class _Reply:
+    """One HTTP/1.x response read straight off a connection's socket, by http.client's rules: its status
+    line (``_read_status``: 1xx skipped, ``BadStatusLine``, ``RemoteDisconnected`` for no answer at all),
+    its header parser (``parse_headers`` above) and framing (``begin``: chunked, Content-Length, or the
+    body runs to the close; HTTP/1.0 keep-alive) and its exceptions (``IncompleteRead``, ``LineTooLong``).
+    http.client's own response reads through a buffered file and several layers per read: ~0.2 ms of CPU
+    a download on the benchmark site, where this reads the head in one or two ``recv`` calls and a body
+    with a known length into one buffer of its size (``bench/IMAGES.md``)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = b""  # read from the socket, not consumed yet
+        self.closed = False  # the body was read to its end
+        while True:
+            head = self._head()
+            version, status, reason = _status_line(head)
+            if status != 100:
+                break
+        self.status, self.reason = status, reason.strip()
+        if version in ("HTTP/1.0", "HTTP/0.9"):
+            self.version = 10
+        elif version.startswith("HTTP/1."):
+            self.version = 11
+        else:
+            raise http.client.UnknownProtocol(version)
+        line_end = head.find(b"\n") + 1
+        self.headers = parse_headers(io.BytesIO(head[line_end:]))
+        encoding = self.headers.get("transfer-encoding")
+        self.chunked = bool(encoding) and encoding.lower() == "chunked"
+        self.will_close = self._check_close()
+        self.length: int | None = None
+        length = self.headers.get("content-length")
+        if length and not self.chunked:
+            try:
+                self.length = int(length)
+            except ValueError:
+                self.length = None
+            else:
+                if self.length < 0:
+                    self.length = None
+        if status in (204, 304) or 100 <= status < 200:
+            self.length = 0
+        if not self.will_close and not self.chunked and self.length is None:
+            self.will_close = True
+        if self.length == 0 and not self.chunked:
+            self.closed = True
+
+    _check_close = http.client.HTTPResponse._check_close
+
+    def getheader(self, name: str) -> str | None:
+        values = self.headers.get_all(name)  # http.client's: several values joined
+        return None if values is None else ", ".join(values)
+
+    def _recv(self) -> bytes:
+        return self._sock.recv(_RECV)
+
+    def _head(self) -> bytes:
+        """The next status line and header lines, up to the blank line that ends them (or the EOF)."""
+        buf = self._buf
+        start = 0
+        while True:
+            end = _HEAD_END.search(buf, start)
+            if end is not None:
+                self._buf = buf[end.end():]
+                return buf[:end.end()]
+            if len(buf) > _MAX_HEAD:
+                raise http.client.HTTPException("got more than 100 headers")
+            start = max(0, len(buf) - 3)
+            data = self._recv()
+            if not data:
+                self._buf = b""
+                return buf  # the EOF ends the head (http.client: the status line decides)
+            buf += data
+
+    def _line(self, what: str) -> bytes:
+        """One line (chunk size, trailer), its end included; b"" at the EOF."""
+        buf = self._buf
+        while True:
+            i = buf.find(b"\n")
+            if i >= 0:
+                if i + 1 > _MAXLINE:
+                    raise http.client.LineTooLong(what)
+                self._buf = buf[i + 1:]
+                return buf[:i + 1]
+            if len(buf) > _MAXLINE:
+                raise http.client.LineTooLong(what)
+            data = self._recv()
+            if not data:
+                self._buf = b""
+                return buf
+            buf += data
+
+    def read(self, max_bytes: int, deadline: float, truncate: bool = False) -> bytes:
+        """The body, refused past ``max_bytes`` (``truncate``: cut there instead, the rest left unread:
+        ``closed`` stays False). ``deadline`` is checked between socket reads, so a body that trickles in
+        cannot outlast it."""
+        if self.length is not None and not self.chunked:  # http.client reads a chunked body even of a 204
+            if self.length > max_bytes and not truncate:
+                raise _Refused(f"file too large to download (> {max_bytes} bytes)")
+            return self._read_length(min(self.length, max_bytes), deadline)
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in (self._chunks(deadline) if self.chunked else self._to_close(deadline)):
+            size += len(chunk)
+            if size > max_bytes:
+                if truncate:
+                    chunks.append(chunk)
+                    return b"".join(chunks)[:max_bytes]
+                raise _Refused(f"file too large to download (> {max_bytes} bytes)")
+            chunks.append(chunk)
+        self.closed = True
+        return b"".join(chunks)
+
+    def _read_length(self, n: int, deadline: float) -> bytes:
+        have = self._buf[:n]
+        self._buf = self._buf[len(have):]
+        if len(have) == n:
+            self.closed = n == self.length
+            return have
+        out = bytearray(n)
+        out[:len(have)] = have
+        view, got = memoryview(out), len(have)
+        while got < n:
+            if time.monotonic() > deadline:
+                raise _Failed("timed out")
+            k = self._sock.recv_into(view[got:], min(n - got, 1 << 20))
+            if not k:
+                raise http.client.IncompleteRead(bytes(out[:got]), n - got)
+            got += k
+        self.closed = n == self.length
+        return bytes(out)
+
+    def _to_close(self, deadline: float) -> Iterator[bytes]:
+        if self._buf:
+            yield self._buf
+            self._buf = b""
+        while True:
+            if time.monotonic() > deadline:
+                raise _Failed("timed out")
+            data = self._recv()
+            if not data:
+                return
+            yield data
+
+    def _chunks(self, deadline: float) -> Iterator[bytes]:
+        while True:
+            if time.monotonic() > deadline:
+                raise _Failed("timed out")
+            line = self._line("chunk size")
+            i = line.find(b";")
+            size = int(line[:i] if i >= 0 else line, 16)  # ValueError: http.client's, as it raises it
+            if size == 0:
+                break
+            left = size
+            while left:
+                if not self._buf:
+                    if time.monotonic() > deadline:
+                        raise _Failed("timed out")
+                    self._buf = self._recv()
+                    if not self._buf:
+                        raise http.client.IncompleteRead(b"", left)
+                piece = self._buf[:left]
+                self._buf = self._buf[len(piece):]
+                left -= len(piece)
+                yield piece
+            self._line("chunk end")  # the CRLF after the data
+        while True:  # the trailer, read and discarded up to its blank line (or the EOF)
+            line = self._line("trailer line")
+            if line in (b"\r\n", b"\n", b""):
+                return
+
+
+def _status_line(head: bytes) -> tuple[str, int, str]:
+    """http.client's ``_read_status`` on the first line of ``head``."""
+    end = head.find(b"\n")
+    raw = head if end < 0 else head[:end + 1]
+    if len(raw) > _MAXLINE:
+        raise http.client.LineTooLong("status line")
+    line = str(raw, "iso-8859-1")
+    if not line:
+        raise http.client.RemoteDisconnected("Remote end closed connection without response")
+    try:
+        version, status, reason = line.split(None, 2)
+    except ValueError:
+        try:
+            version, status = line.split(None, 1)
+            reason = ""
+        except ValueError:
+            version = ""
+    if not version.startswith("HTTP/"):
+        raise http.client.BadStatusLine(line)
+    try:
+        code = int(status)
+    except ValueError:
+        raise http.client.BadStatusLine(line) from None
+    if code < 100 or code > 999:
+        raise http.client.BadStatusLine(line)
+    return version, code, reason
+
+
+def _request_bytes(path: str, headers: dict[str, str]) -> bytes:
+    """The request http.client would send for ``GET path`` with ``headers`` (Accept-Encoding: identity
+    added; a control character in the path, or a header value that would inject a header, refused as
+    it refuses them)."""
+    if _DISALLOWED_PATH.search(path):
+        raise http.client.InvalidURL(f"URL can't contain control characters. {path!r} (found at least "
+                                     f"{_DISALLOWED_PATH.search(path).group()!r})")
+    out = [f"GET {path} HTTP/1.1\r\n".encode("ascii"), b"Accept-Encoding: identity\r\n"]
+    for name, value in headers.items():
+        raw = value.encode("latin-1")
+        if _ILLEGAL_HEADER_VALUE.search(raw):
+            raise ValueError(f"Invalid header value {raw!r}")
+        out.append(name.encode("latin-1") + b": " + raw + b"\r\n")
+    out.append(b"\r\n")
+    return b"".join(out)
+
+
+_DISALLOWED_PATH = re.compile("[\x00-\x20\x7f]")
 
 
 class _Connection(http.client.HTTPConnection):
@@ -178,8 +405,6 @@ class _Connection(http.client.HTTPConnection):
     socket object (its fileno becomes -1) during the handshake, the duplicate stays valid, and
     shutdown() acts on the socket, whichever descriptor names it. It is closed with the connection, or
     the TCP connection would outlive close()."""
-
-    response_class = _Response
 
     def __init__(self, ip: str, port: int, timeout: float, switch: _AbortSwitch) -> None:
         super().__init__(ip, port, timeout=timeout)
@@ -257,6 +482,8 @@ class AbortablePool:
         self._per_host, self._max_idle = per_host, max_idle
         self._tls: ssl.SSLContext | None = None
         self.connections_made = 0
+        self._addresses: dict[tuple[str, int], tuple[float, list[str]]] = {}  # (host, port) -> (expiry, ips)
+        self.lookups = 0  # name lookups made (not answered from the cache)
 
     @property
     def aborted(self) -> bool:
@@ -307,6 +534,16 @@ class AbortablePool:
                 for old in self._idle.pop(oldest):
                     old.close()
                     self._idle_count -= 1
+
+    def addresses(self, host: str, port: int) -> list[str] | None:
+        """The addresses a lookup of ``host`` gave less than ``DNS_CACHE_SECONDS`` ago (``None``: none)."""
+        hit = self._addresses.get((host, port))
+        return hit[1] if hit is not None and hit[0] > time.monotonic() else None
+
+    def remember(self, host: str, port: int, ips: list[str]) -> None:
+        if len(self._addresses) >= DNS_CACHE_ENTRIES:
+            self._addresses.clear()  # a crawl over more hosts than that: start again, never grow
+        self._addresses[(host, port)] = (time.monotonic() + DNS_CACHE_SECONDS, ips)
 
     def idle_connections(self) -> int:
         return self._idle_count
@@ -387,12 +624,18 @@ def address_problem(ip: str) -> str | None:
 
 
 def _resolve(host: str, port: int, seconds: float, pool: AbortablePool) -> list[str]:
-    """getaddrinfo with a time limit (it has none of its own) that ``pool.abort()`` also ends; a literal
-    IP costs no lookup."""
+    """getaddrinfo with a time limit (it has none of its own) that ``pool.abort()`` also ends, its answer
+    kept by the pool for ``DNS_CACHE_SECONDS``; a literal IP costs no lookup."""
+    cached = pool.addresses(host, port)
+    if cached is not None:
+        return cached
     try:
-        return [str(ipaddress.ip_address(host))]
+        ips = [str(ipaddress.ip_address(host))]
+        pool.remember(host, port, ips)
+        return ips
     except ValueError:
         pass
+    pool.lookups += 1
     result: dict = {}
     done = threading.Event()
 
@@ -418,6 +661,7 @@ def _resolve(host: str, port: int, seconds: float, pool: AbortablePool) -> list[
             ips.append(sockaddr[0])
     if not ips:
         raise _Failed(f"<urlopen error no address for {host}>")
+    pool.remember(host, port, ips)
     return ips
 
 
@@ -487,42 +731,19 @@ def rate_limited(status: int, seconds: float) -> str:
     return f"rate limited (HTTP {status}, Retry-After {math.ceil(seconds)} s)"
 
 
-def _read_body(resp: http.client.HTTPResponse, max_bytes: int, deadline: float, truncate: bool = False) -> bytes:
-    """The body, refused past ``max_bytes`` (``truncate``: cut there instead, the rest left unread)."""
-    length = resp.getheader("Content-Length")
-    if not truncate and length is not None and length.strip().isdigit() and int(length) > max_bytes:
-        raise _Refused(f"file too large to download (> {max_bytes} bytes)")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        if time.monotonic() > deadline:
-            raise _Failed("timed out")
-        # read1: at most one socket read, so the deadline is checked even when bytes trickle in
-        chunk = resp.read1(_CHUNK)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > max_bytes:
-            if truncate:
-                chunks.append(chunk)
-                return b"".join(chunks)[:max_bytes]
-            raise _Refused(f"file too large to download (> {max_bytes} bytes)")
-        chunks.append(chunk)
-
-
-def _request(pool: AbortablePool, key: tuple[str, str, int, str], path: str, headers: dict[str, str],
-             timeout: float) -> tuple[_Connection, http.client.HTTPResponse]:
-    """GET ``path`` on a connection for ``key``. A kept-alive connection the server closed meanwhile
-    (its answer: none at all) is replaced by the next idle one or a new one, as browsers and urllib3
-    do; a new connection's failure is the answer."""
+def _request(pool: AbortablePool, key: tuple[str, str, int, str], request: bytes,
+             timeout: float) -> tuple[_Connection, _Reply]:
+    """Send ``request`` on a connection for ``key`` and read the answer's head. A kept-alive connection
+    the server closed meanwhile (its answer: none at all) is replaced by the next idle one or a new one,
+    as browsers and urllib3 do; a new connection's failure is the answer."""
     while True:
         _raise_if_aborted(pool)
         conn, reused = pool.connection(key, timeout)
         try:
             if conn.sock is None:
                 conn.connect()
-            conn.request("GET", path, headers=headers)
-            return conn, conn.getresponse()
+            conn.sock.sendall(request)
+            return conn, _Reply(conn.sock)
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
             conn.close()
             if not reused:
@@ -568,8 +789,7 @@ def _fetch_once(
                 problem = address_problem(ip)
                 if problem is not None:
                     raise _Refused(f"refused: host resolves to a {problem} address (allow_private_addresses is off)")
-        path = parts.request_uri
-        headers = {"User-Agent": user_agent, "Host": _host_header(host, port, scheme)}
+        request = _request_bytes(parts.request_uri, {"User-Agent": user_agent, "Host": _host_header(host, port, scheme)})
         answer = None
         connect_error: _ConnectFailed | None = None
         for ip in ips[:3]:  # like socket.create_connection: try the next address if one is unreachable
@@ -578,7 +798,7 @@ def _fetch_once(
                 raise _Failed("timed out")
             key = (scheme, ip, port, host)
             try:
-                answer = _request(pool, key, path, headers, min(timeout, remaining))
+                answer = _request(pool, key, request, min(timeout, remaining))
                 break
             except _ConnectFailed as e:
                 connect_error = e
@@ -599,13 +819,12 @@ def _fetch_once(
             if disallowed and _is_disallowed(resp.headers.get_all("X-Robots-Tag") or [], user_agent_token,
                                              disallowed):
                 raise _Failed("Use of image disallowed by X-Robots-Tag directive")
-            data = _read_body(resp, max_bytes, deadline, truncate)
-            body_read = not truncate or resp.isclosed()  # a body cut short has bytes left unread
+            data = resp.read(max_bytes, deadline, truncate)
+            body_read = resp.closed  # a body cut short has bytes left unread
             return data
         finally:
             # the connection is kept only when no unread body is left on it: an unread one (error,
             # redirect, a read cut off) is never drained, it could trickle in forever
-            resp.close()
             if body_read and not resp.will_close:
                 pool.release(key, conn)
             else:

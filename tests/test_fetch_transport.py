@@ -141,3 +141,115 @@ def test_header_parsing_equals_http_clients(seed):
     assert ours.items() == theirs.items()
     assert ours.get_all("x-robots-tag") == theirs.get_all("x-robots-tag")
     assert ours.get("content-length") == theirs.get("content-length")
+
+
+STATUS_LINES = [b"HTTP/1.1 200 OK", b"HTTP/1.1 404 Not Found", b"HTTP/1.0 200 OK", b"HTTP/1.1 204 No Content",
+                b"HTTP/1.1 304 Not Modified", b"HTTP/1.1 200", b"HTTP/1.1 302 Found  ", b"HTTP/2 200 OK",
+                b"SSH-2.0-OpenSSH_9.6", b"HTTP/1.1 99 Low", b"HTTP/1.1 abc Nope", b""]
+CONNECTION = [[], [b"Connection: close"], [b"Connection: keep-alive"], [b"Keep-Alive: timeout=5"]]
+
+
+def _response(rng) -> bytes:
+    """A response as a server might send it: one of STATUS_LINES (an interim 100 before it at times), a
+    framing (Content-Length, possibly cut short, chunked with extensions and a trailer, or none: to the
+    close), connection headers, \\r\\n or \\n line ends; the connection is closed after it."""
+    body = bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 700, 70_000])))
+    end = rng.choice([b"\r\n", b"\n"])
+    headers = list(rng.choice(CONNECTION)) + [b"Content-Type: image/jpeg"]
+    framing = rng.choice(["length", "short", "chunked", "close"])
+    if framing in ("length", "short"):
+        headers.append(b"Content-Length: %d" % len(body))
+        payload = body if framing == "length" else body[:len(body) // 2]
+    elif framing == "chunked":
+        headers.append(b"Transfer-Encoding: chunked")
+        pieces, i = [], 0
+        while i < len(body):
+            n = rng.randint(1, 30_000)
+            pieces.append(b"%x%s\r\n%s\r\n" % (n if i + n <= len(body) else len(body) - i,
+                                                rng.choice([b"", b";ext=1"]), body[i:i + n]))
+            i += n
+        payload = b"".join(pieces) + b"0\r\n" + rng.choice([b"", b"X-Trailer: 1\r\n"]) + b"\r\n"
+    else:
+        payload = body
+    head = rng.choice(STATUS_LINES) + end + b"".join(h + end for h in headers) + end
+    if rng.random() < 0.2:
+        head = b"HTTP/1.1 100 Continue" + end + end + head
+    return head + payload
+
+
+def _parsed(read) -> tuple:
+    try:
+        return read()
+    except Exception as e:  # noqa: BLE001 - the exception is the answer to compare
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_response_reading_equals_http_clients(seed):
+    """fetch reads responses off the socket itself (``_Reply``): status, reason, version, headers, whether
+    the connection may be kept, the body and the exception of a bad answer are http.client's."""
+    import http.client
+    import io
+    import random
+    import socket
+
+    from shardprep.fetch import _Reply
+
+    raw = _response(random.Random(seed))
+
+    class _Sock:
+        def makefile(self, mode):
+            return io.BytesIO(raw)
+
+    def theirs():
+        resp = http.client.HTTPResponse(_Sock(), method="GET")
+        resp.begin()
+        head = (resp.status, resp.reason, resp.version, resp.will_close, resp.headers.items())
+        return head, resp.read()
+
+    def ours():
+        a, b = socket.socketpair()
+
+        def serve():  # the server's side: the response, then the close
+            try:
+                b.sendall(raw)
+                b.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the client stopped reading (a bad status line) and left
+
+        writer = threading.Thread(target=serve, daemon=True)
+        writer.start()
+        try:
+            a.settimeout(5)
+            resp = _Reply(a)
+            head = (resp.status, resp.reason, resp.version, resp.will_close, resp.headers.items())
+            return head, resp.read(1 << 30, time.monotonic() + 30)
+        finally:
+            a.close()
+            writer.join(10)
+            b.close()
+
+    assert _parsed(ours) == _parsed(theirs)
+
+
+def test_a_pool_keeps_a_hosts_addresses_and_the_guard_still_checks_them(server, monkeypatch):
+    import shardprep.fetch as fetch_module
+
+    url = f"http://localhost:{server.server_port}/x"
+    pool = make_pool(2)
+    assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+    assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+    assert pool.lookups == 1  # the second download took the first one's answer
+    # the cached addresses go through the address guard like fresh ones
+    for _ in range(2):
+        refused = fetch(url, pool=pool, timeout=5)
+        assert refused.data is None and refused.error.startswith("refused: host resolves to a loopback")
+    assert pool.lookups == 1
+    # past its time the answer is asked for again
+    monkeypatch.setattr(fetch_module, "DNS_CACHE_SECONDS", 0.0)
+    fresh = make_pool(2)
+    for _ in range(2):
+        assert fetch(url, pool=fresh, timeout=5, allow_private=True) == (BODY, None)
+    assert fresh.lookups == 2
+    pool.clear()
+    fresh.clear()
