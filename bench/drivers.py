@@ -29,14 +29,13 @@ def _fresh(path: str) -> None:
 
 def _ours_shard(args) -> dict:
     parquet, offset, length, shard_id, cfg_dict = args
-    import pyarrow.parquet as pq
-
     from shardprep.config import config_from_dict
     from shardprep.images.shards import write_image_shard
     from shardprep.layout import Layout
+    from shardprep.sources import read_rows
 
     cfg = config_from_dict(cfg_dict)
-    table = pq.read_table(parquet).slice(offset, length)
+    table = read_rows(parquet, offset, offset + length)  # the shard's rows, as source_parquet reads them
     r = write_image_shard(table, shard_id, cfg, Layout(cfg.output_root))
     return {"successes": r.successes, "failed_to_download": r.failed_to_download,
             "failed_to_resize": r.failed_to_resize}
@@ -365,13 +364,12 @@ def clip_gpu(s: dict) -> dict:
 
 def _ours_video_shard(args) -> dict:
     parquet, offset, length, shard_id, cfg_dict = args
-    import pyarrow.parquet as pq
-
     from shardprep.config import config_from_dict
+    from shardprep.sources import read_rows
     from shardprep.video.shards import write_video_shard
 
     cfg = config_from_dict(cfg_dict)
-    r = write_video_shard(pq.read_table(parquet).slice(offset, length), shard_id, cfg, cfg.output_root)
+    r = write_video_shard(read_rows(parquet, offset, offset + length), shard_id, cfg, cfg.output_root)
     return {"successes": r.successes, "failed_to_download": r.failed_to_download,
             "failed_to_subsample": r.failed_to_subsample, "clips": r.samples}
 
