@@ -323,7 +323,7 @@ def _differs_from_copy(shard: Shard, layout: Layout) -> bool:
     if shard.rows == 0 or not exists(copy):
         return False
     with open_read(copy) as f:
-        copied = pq.ParquetFile(f).read()
+        copied = pq.ParquetFile(f).read(use_threads=False)  # storage.read_parquet: why
     return not _same_rows(read_rows(shard.source, shard.row_start, shard.row_stop), copied)
 
 

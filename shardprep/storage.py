@@ -352,11 +352,14 @@ def read_npy(url: str, mmap: bool = False) -> np.ndarray:
 def read_parquet(url: str, columns: list[str] | None = None):
     """A parquet file as a pyarrow Table (only ``columns`` when given). ``ParquetFile``, not
     ``read_table``: the same table, without importing pyarrow.dataset and pandas on the way (~0.4
-    CPU-seconds in each process that reads one: a run worker, a download process, the CLI)."""
+    CPU-seconds in each process that reads one: a run worker, a download process, the CLI). One thread:
+    pyarrow 15's threaded read from a Python file object aborts the interpreter at its exit now and then
+    ("terminate called without an active exception": a CLI's exit status 134 in 4-7 of 10 runs that
+    read one small file and exit), and a shard's rows or a state table decode as fast without."""
     import pyarrow.parquet as pq
 
     with open_read(url) as f:
-        return pq.ParquetFile(f).read(columns=columns)
+        return pq.ParquetFile(f).read(columns=columns, use_threads=False)
 
 
 def parquet_rows(url: str) -> int:

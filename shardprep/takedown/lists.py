@@ -151,7 +151,7 @@ def read_list(url: str) -> list[Entry]:
     name = url.rsplit("/", 1)[-1].lower()
     try:
         if name.endswith(".parquet"):
-            entries = _table_entries(pq.ParquetFile(io.BytesIO(data)).read(), url)
+            entries = _table_entries(pq.ParquetFile(io.BytesIO(data)).read(use_threads=False), url)
         elif name.endswith(".csv"):
             rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
             names = list(rows[0]) if rows else []
