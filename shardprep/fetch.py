@@ -185,12 +185,12 @@ class _Reply:
     a download on the benchmark site, where this reads the head in one or two ``recv`` calls and a body
     with a known length into one buffer of its size (``bench/IMAGES.md``)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float = math.inf) -> None:
         self._sock = sock
         self._buf = b""  # read from the socket, not consumed yet
         self.closed = False  # the body was read to its end
         while True:
-            head = self._head()
+            head = self._head(deadline)
             version, status, reason = _status_line(head)
             if status != 100:
                 break
@@ -232,8 +232,9 @@ class _Reply:
     def _recv(self) -> bytes:
         return self._sock.recv(_RECV)
 
-    def _head(self) -> bytes:
-        """The next status line and header lines, up to the blank line that ends them (or the EOF)."""
+    def _head(self, deadline: float) -> bytes:
+        """The next status line and header lines, up to the blank line that ends them (or the EOF); a head
+        that trickles in fails at ``deadline``, as a body does."""
         buf = self._buf
         start = 0
         while True:
@@ -243,6 +244,8 @@ class _Reply:
                 return buf[:end.end()]
             if len(buf) > _MAX_HEAD:
                 raise http.client.HTTPException("got more than 100 headers")
+            if buf and time.monotonic() > deadline:
+                raise _Failed("timed out")
             start = max(0, len(buf) - 3)
             data = self._recv()
             if not data:
@@ -732,7 +735,7 @@ def rate_limited(status: int, seconds: float) -> str:
 
 
 def _request(pool: AbortablePool, key: tuple[str, str, int, str], request: bytes,
-             timeout: float) -> tuple[_Connection, _Reply]:
+             timeout: float, deadline: float) -> tuple[_Connection, _Reply]:
     """Send ``request`` on a connection for ``key`` and read the answer's head. A kept-alive connection
     the server closed meanwhile (its answer: none at all) is replaced by the next idle one or a new one,
     as browsers and urllib3 do; a new connection's failure is the answer."""
@@ -743,7 +746,7 @@ def _request(pool: AbortablePool, key: tuple[str, str, int, str], request: bytes
             if conn.sock is None:
                 conn.connect()
             conn.sock.sendall(request)
-            return conn, _Reply(conn.sock)
+            return conn, _Reply(conn.sock, deadline)
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
             conn.close()
             if not reused:
@@ -798,7 +801,7 @@ def _fetch_once(
                 raise _Failed("timed out")
             key = (scheme, ip, port, host)
             try:
-                answer = _request(pool, key, request, min(timeout, remaining))
+                answer = _request(pool, key, request, min(timeout, remaining), deadline)
                 break
             except _ConnectFailed as e:
                 connect_error = e

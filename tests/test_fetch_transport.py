@@ -253,3 +253,36 @@ def test_a_pool_keeps_a_hosts_addresses_and_the_guard_still_checks_them(server, 
     assert fresh.lookups == 2
     pool.clear()
     fresh.clear()
+
+
+def test_a_head_that_trickles_in_fails_at_the_deadline():
+    """A server that sends its status line and headers a byte at a time, each within the read timeout,
+    is cut off at the URL's deadline, as a body that trickles in is."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip():
+        conn, _ = listener.accept()
+        with conn:
+            for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"x" * 10_000:
+                if stop.wait(0.05):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return  # the client left
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        got = fetch(f"http://127.0.0.1:{listener.getsockname()[1]}/x", pool=make_pool(1), timeout=1,
+                    total_timeout=1.0, allow_private=True)
+        assert got == (None, "timed out")
+        assert time.monotonic() - t0 < 3  # the deadline, not the 10,000 bytes' ~8 minutes
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
