@@ -12,6 +12,7 @@ from shardprep.config import DatasetConfig, load_config
 from shardprep.layout import Layout
 from shardprep.storage import stat
 from shardprep.versions import artifact_versions
+from shardprep_dagster.resources.settings import load_settings
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,7 +51,13 @@ class DatasetResource(dg.ConfigurableResource):
         freeze_startup_objects()
         run = context.run
         self._run_config_path = run.tags.get(CONFIG_TAG) if run is not None else None
-        if run is not None and context.instance is not None and run.tags.get(PID_TAG) != str(os.getpid()):
+        # the run's process, by which recover_dead_runs knows it alive: only where the steps run in the run's
+        # own process. A Celery step worker is not the run: killed, it gives its task back and another
+        # worker goes on, so its pid marked a live run failed, and `shardprep run` started the global
+        # assets while shards were still being written (tests/test_distributed.py: the diffusion index
+        # missed 6 of 8 tars); the run worker's own pid, which Dagster logs, stands for the run there
+        if run is not None and context.instance is not None and run.tags.get(PID_TAG) != str(os.getpid()) \
+                and load_settings().executor != "celery":
             context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()})
 
     @property

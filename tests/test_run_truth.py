@@ -73,3 +73,26 @@ def test_a_bad_config_is_refused_before_the_instance_is_opened(tmp_path, source)
                               cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "image_size" in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not home.exists() and not out.exists(), command  # no instance opened, nothing written
+
+
+@pytest.mark.parametrize("executor", ["in_process", "celery"])
+def test_a_run_is_tagged_with_the_pid_of_its_own_process_only(tmp_path, executor, monkeypatch):
+    """recover_dead_runs judges a run by the pid it is tagged with. Where steps run in the run's own
+    process, the dataset resource tags it with that process; a Celery step worker is not the run (killed,
+    its task goes to another worker and the run goes on), so under Celery it tags nothing and the run
+    worker's own pid, which Dagster logs, stands for the run."""
+    from shardprep_dagster.resources.dataset import PID_TAG, DatasetResource
+
+    monkeypatch.setenv("SHARDPREP_EXECUTOR", executor)
+    config = write_config(tmp_path / "shardprep.yaml", source=str(tmp_path / "none.parquet"),
+                          output_root=str(tmp_path / "out"))
+
+    @dg.asset
+    def probe(dataset: DatasetResource) -> None:
+        pass
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize([probe], resources={"dataset": DatasetResource(config_path=config)},
+                                instance=instance)
+        tags = instance.get_run_by_id(result.run_id).tags
+    assert tags.get(PID_TAG) == (str(os.getpid()) if executor == "in_process" else None)
