@@ -354,8 +354,8 @@ def read_parquet(url: str, columns: list[str] | None = None):
     ``read_table``: the same table, without importing pyarrow.dataset and pandas on the way (~0.4
     CPU-seconds in each process that reads one: a run worker, a download process, the CLI). One thread:
     pyarrow 15's threaded read from a Python file object aborts the interpreter at its exit now and then
-    ("terminate called without an active exception": a CLI's exit status 134 in 4-7 of 10 runs that
-    read one small file and exit), and a shard's rows or a state table decode as fast without."""
+    ("terminate called without an active exception": exit status 134 in 4-7 of 10 fresh processes that
+    read one small file and exit), and 20,000 URL rows read in 2.1 ms on one thread, 2.8 ms threaded."""
     import pyarrow.parquet as pq
 
     with open_read(url) as f:
