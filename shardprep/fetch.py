@@ -173,6 +173,7 @@ _MAXLINE = 65536  # http.client's limits on a status, header, chunk-size or trai
 _MAX_HEAD = 100 * _MAXLINE  # its 100 header lines of at most _MAXLINE each
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _RECV = 64 * 1024  # one socket read at most (a body of known length is read into its own buffer instead)
+_DISALLOWED_PATH = re.compile("[\x00-\x20\x7f]")  # http.client's control characters in a URL
 _ILLEGAL_HEADER_VALUE = re.compile(rb"\n(?![ \t])|\r(?![ \t\n])")  # http.client's check (header injection)
 
 
@@ -383,9 +384,10 @@ def _request_bytes(path: str, headers: dict[str, str]) -> bytes:
     """The request http.client would send for ``GET path`` with ``headers`` (Accept-Encoding: identity
     added; a control character in the path, or a header value that would inject a header, refused as
     it refuses them)."""
-    if _DISALLOWED_PATH.search(path):
+    bad = _DISALLOWED_PATH.search(path)
+    if bad:
         raise http.client.InvalidURL(f"URL can't contain control characters. {path!r} (found at least "
-                                     f"{_DISALLOWED_PATH.search(path).group()!r})")
+                                     f"{bad.group()!r})")
     out = [f"GET {path} HTTP/1.1\r\n".encode("ascii"), b"Accept-Encoding: identity\r\n"]
     for name, value in headers.items():
         raw = value.encode("latin-1")
@@ -395,8 +397,6 @@ def _request_bytes(path: str, headers: dict[str, str]) -> bytes:
     out.append(b"\r\n")
     return b"".join(out)
 
-
-_DISALLOWED_PATH = re.compile("[\x00-\x20\x7f]")
 
 
 class _Connection(http.client.HTTPConnection):
