@@ -128,22 +128,25 @@ class Mismatch(RuntimeError):
 
 
 def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str, timeout: float = 600,
-             sample_every: float = 0.02, after_rep: Callable[[dict], None] | None = None) -> dict:
-    """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each. ``after_rep(runs)``: called
-    after each repetition (a limit loop measured beside each pair of runs, under the same machine load)."""
+             sample_every: float = 0.02, beside_ours: Callable[[str], None] | None = None) -> dict:
+    """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each. ``beside_ours(when)``:
+    called right "before" and right "after" each run of ours (its limit loop, measured on either side of the
+    run it is compared with)."""
     runs: dict[str, list] = {"ours": [], "theirs": []}
     for rep in range(reps):
         order = [("ours", ours), ("theirs", theirs)]
         if rep % 2:
             order.reverse()
         for label, (side, settings) in order:
+            if label == "ours" and beside_ours is not None:
+                beside_ours("before")
             r = run_side([side, "--json", json.dumps(settings)], log_path=log, timeout=timeout,
                          sample_every=sample_every)
             runs[label].append(r)
             print(f"  {side:22s} wall {r.seconds:7.2f}s  work {r.result.get('work_seconds', float('nan')):7.2f}s"
                   f"  cpu {r.cpu_seconds:7.2f}s  peak {r.peak_rss / 2**20:7.0f} MiB  {_short(r.result)}", flush=True)
-        if after_rep is not None:
-            after_rep(runs)
+            if label == "ours" and beside_ours is not None:
+                beside_ours("after")
     return runs
 
 
@@ -159,11 +162,11 @@ def summarise(runs: list, count_key: str) -> dict:
             "count": runs[-1].result[count_key], "walls": [r.seconds for r in runs]}
 
 
-def run_limit(name: str, settings: dict, expect: int, unit: str, log: str) -> dict:
+def run_limit(name: str, settings: dict, expect: int | None, unit: str, log: str) -> dict:
     """The engine's per-core limit (``bench/limits.py``) on the pair's inputs; it must see the items the
-    engine made (``expect``), or it measured other work."""
+    engine succeeded on (``expect``; None: checked by the caller, the engine not having run yet)."""
     limit = run_side([f"{name}-limit", "--json", json.dumps(settings)], log_path=log, timeout=1800).result
-    if limit["items"] != expect:
+    if expect is not None and limit["items"] != expect:
         raise Mismatch(f"{name}: the limit loop did {limit['items']} {unit}, the engine {expect}")
     print(f"  {name + '-limit':22s} {limit['items']} {unit}, {limit['loop_cpu_seconds']:.1f} CPU s in the loops: "
           f"{limit['per_cpu_second']:.1f} {unit} per CPU-second", flush=True)
@@ -177,17 +180,21 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
                   encode_quality=95, threads=32, timeout=10, processes=PROCESSES)
     limit_settings = {"parquet": parquet, "base_url": server.url, "site_dir": os.path.join(WORK, "site"),
                       "image_size": 256, "resize_mode": "border", "encode_quality": 95, "processes": PROCESSES}
-    limits: list[dict] = []
+    sandwiches: list[list[dict]] = []  # per run of ours: the limit right before it and right after it
 
-    def limit_beside(runs: dict) -> None:
-        # the limit once per repetition, right after it: this machine's speed drifts by several percent
-        # over minutes (the same shards: 80-96 CPU-seconds), so a share of the limit is only fair against
-        # a loop measured under the same load
-        limits.append(run_limit("images", limit_settings, runs["ours"][-1].result["successes"], "images", log))
+    def limit_beside(when: str) -> None:
+        # this machine's speed drifts by several percent over minutes (the same loop: 278-302 images per
+        # CPU-second ten minutes apart, the engine's runs beside them within 1%), so each run of ours is set
+        # against the mean of the loop measured right before and right after it, under the same load
+        lim = run_limit("images", limit_settings, None, "images", log)
+        if when == "before":
+            sandwiches.append([lim])
+        else:
+            sandwiches[-1].append(lim)
 
     runs = run_pair(("images-ours", {**common, "out": os.path.join(WORK, "images-ours")}),
                     ("images-img2dataset", {**common, "out": os.path.join(WORK, "images-img2dataset")}),
-                    m["image_reps"], log, after_rep=limit_beside)
+                    m["image_reps"], log, beside_ours=limit_beside)
     o, t = runs["ours"][-1].result, runs["theirs"][-1].result
     statuses = ("successes", "failed_to_download", "failed_to_resize")
     if any(o[k] != t[k] for k in statuses):
@@ -197,8 +204,12 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     quality = compare_image_outputs(os.path.join(WORK, "images-ours"), os.path.join(WORK, "images-img2dataset"))
     if quality["mismatch_count"]:
         raise Mismatch(f"images: outputs disagree: {quality['mismatches']}")
-    shares = [(r.result["successes"] / r.cpu_seconds) / lim["per_cpu_second"]
-              for r, lim in zip(runs["ours"], limits)]
+    limits = [lim for pair in sandwiches for lim in pair]
+    for lim in limits:
+        if lim["items"] != o["successes"]:
+            raise Mismatch(f"images: the limit loop did {lim['items']} images, the engine {o['successes']}")
+    beside = [median([lim["per_cpu_second"] for lim in pair]) for pair in sandwiches]  # the pair's mean
+    shares = [(r.result["successes"] / r.cpu_seconds) / rate for r, rate in zip(runs["ours"], beside)]
     limit = {**limits[-1], "per_cpu_second": median([x["per_cpu_second"] for x in limits]),
              "loop_cpu_seconds": median([x["loop_cpu_seconds"] for x in limits]),
              "rates": [x["per_cpu_second"] for x in limits], "shares": shares, "share": median(shares)}
@@ -503,7 +514,7 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  f"({LIMIT_WORK['images']}), images per CPU-second (median; measured after each repetition)",
                  _fmt(lim["per_cpu_second"]), "", "", "", ""],
                 ["", "successful images per CPU-second, whole run; shardprep: share of the limit (median of each "
-                 "repetition's run against the limit measured beside it)",
+                 "run against the mean of the limit measured right before and right after it)",
                  f"{_fmt(ours_img_cpu)} ({lim['share'] * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
                  f"{cpu_ratio:.2f}x", f">= {share_floor * 100:.0f}% of the limit",
                  "PASS" if lim["share"] >= share_floor else "FAIL"]]
@@ -640,8 +651,8 @@ def _details(results: dict, errors: dict) -> list[str]:
               "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, OpenCV for PNGs + compositing on white, "
               "the engine's antialiased bilinear downscale (torch's uint8 kernel; lanczos when upscaling) to "
               "img2dataset's size, white border, OpenCV JPEG encode "
-              f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured after each "
-              "repetition, under the same machine load as its runs: images per CPU-second "
+              f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured right "
+              "before and right after each run of ours, under the same machine load: images per CPU-second "
               f"{', '.join(_fmt(x) for x in r['limit']['rates'])}; shardprep's share of it, run by run: "
               f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares'])}. What the engine does on top: "
               "HTTP, header and truncation checks, EXIF, sha256, tar, parquet, threads, start-up",

@@ -31,6 +31,7 @@ from shardprep_dagster.orchestration.launch import (
     failures,
     in_flight,
     launch,
+    materialized_out,
     progress,
     run_failures,
 )
@@ -139,6 +140,7 @@ class _Follower:
         self._daemon_checked = 0.0
         self._starts = 0
         self._cancelled: set[str] = set()
+        self.unmarked: set[str] = set()  # ours, left materialized out before the daemon marked them done
 
     def _check_daemon(self) -> None:
         recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
@@ -185,11 +187,35 @@ class _Follower:
                 newly = [s for s, pairs in shards_of.items() if s not in counted and pairs <= settled]
                 counted.update(newly)
                 settled_partitions.update(newly)
+            cut_short = not stopping and self._materialized_out(ours, others, states)
+            if cut_short and shards_of:
+                settled_partitions = set(shards_of)  # every pair was materialized
             # the bar moves per shard, as the steps record outcomes (a block's shards one by one)
             self.progress.poll(settled_partitions)
-            if all(state.finished for state in states.values()):
+            if cut_short or all(state.finished for state in states.values()):
                 return
             time.sleep(STOPPING_POLL_SECONDS if stopping else POLL_SECONDS)
+
+    def _materialized_out(self, ours: list[str], others: list[str], states: dict) -> bool:
+        """Every backfill finished, ours but for the daemon's mark (``launch.materialized_out``): the run goes
+        on at once, and ``wait_marked`` waits for the marks after the unpartitioned assets' run."""
+        if not ours or not all(states[b].finished for b in others):
+            return False
+        unmarked = [b for b in ours if not states[b].finished]
+        if not unmarked or not all(materialized_out(self.instance, b) for b in unmarked):
+            return False
+        self.unmarked.update(unmarked)
+        return True
+
+    def wait_marked(self) -> None:
+        """Until the daemon has marked ``unmarked`` finished (it usually has, by the end of the run): a run
+        leaves no backfill of its own in flight, which another run would wait for."""
+        while self.unmarked and self.stop.received() is None:
+            self.unmarked = {b for b in self.unmarked if not progress(self.instance, b).finished}
+            if self.unmarked:
+                if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
+                    self._check_daemon()
+                time.sleep(POLL_SECONDS)
 
 
 def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], summary: RunSummary,
@@ -308,6 +334,7 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
         for _ in range(MAX_ROUNDS):  # another process's update of them may have failed or died
             if stop.received() is not None or not _launch_globals(plan, instance, summary, follower):
                 break
+        follower.wait_marked()
     bar.close()
     if stop.signum is None:  # (stopping: be quick; the daemon frees what the cancelled runs held)
         recover_dead_runs(instance)  # slots a killed worker's run left claimed go back now, not a tick later

@@ -9,8 +9,11 @@ run waited ~100 s for one of the two ``download`` slots and burnt one of the two
 (bench/E2E.md). The fix is the interval it meant: the time until the next check, at least 0.
 
 The checks themselves back off from 1 s to 15 s (``_calculate_timeout_interval``); a waiting step then
-started up to 15 s after its slot was freed. They are capped at ``MAX_CLAIM_INTERVAL_SECONDS`` here: one
-query of the instance per waiting step every 2 s costs nothing beside a step that waits for minutes.
+started up to 15 s after its slot was freed. Here they start at ``FIRST_CLAIM_INTERVAL_SECONDS`` and back
+off by Dagster's factor (1.1) to ``MAX_CLAIM_INTERVAL_SECONDS``: the short waits are the ones on the critical
+path (two runs' ``gpu`` steps of a fraction of a second each, one after the other, at the end of a chain:
+the second started ~1 s after the first had ended, bench/E2E.md), and one claim per waiting step every 2 s
+once the wait is long costs nothing beside a step that waits for minutes.
 
 A run executed in one process (the in-process executor, our runs' default) runs one step at a time, but
 Dagster 1.13 claims a slot for every step that is ready: a run whose ``image_shards`` and ``video_shards``
@@ -29,6 +32,7 @@ import time
 from dagster._core.execution.plan import active as _active
 from dagster._core.execution.plan import instance_concurrency_context as _icc
 
+FIRST_CLAIM_INTERVAL_SECONDS = 0.25
 MAX_CLAIM_INTERVAL_SECONDS = 2.0
 
 _original_interval = _icc._calculate_timeout_interval
@@ -42,7 +46,9 @@ def _interval_to_next_pending_claim_check(self) -> float:
 
 
 def _capped_timeout_interval(sleep_interval, pending_claim_count: int) -> float:
-    return min(MAX_CLAIM_INTERVAL_SECONDS, _original_interval(sleep_interval, pending_claim_count))
+    if sleep_interval is not None:  # the storage said how long to wait: as Dagster does
+        return min(MAX_CLAIM_INTERVAL_SECONDS, _original_interval(sleep_interval, pending_claim_count))
+    return min(MAX_CLAIM_INTERVAL_SECONDS, FIRST_CLAIM_INTERVAL_SECONDS * _icc.STEP_UP_BASE ** min(pending_claim_count, 60))
 
 
 _original_claim = _icc.InstanceConcurrencyContext.claim

@@ -126,3 +126,14 @@ def test_a_run_in_one_process_waits_for_one_slot_at_a_time(monkeypatch, fixed):
         assert max(held_while_running) == 1
     else:  # Dagster's own claims: both steps wait, and the run is given both slots (the test can fail)
         assert len(waiting) == 2 and max(held_while_running) == 2
+
+
+def test_a_waiting_step_looks_for_its_slot_soon_then_less_often():
+    """The first claims come FIRST_CLAIM_INTERVAL_SECONDS apart (Dagster's: 1 s), backing off by Dagster's
+    factor to MAX_CLAIM_INTERVAL_SECONDS (Dagster's: 15 s); an interval the storage asks for is kept."""
+    intervals = [concurrency_wait._capped_timeout_interval(None, n) for n in range(100)]
+    assert intervals[0] == concurrency_wait.FIRST_CLAIM_INTERVAL_SECONDS < 1
+    assert all(a <= b for a, b in zip(intervals, intervals[1:]))
+    assert intervals[-1] == concurrency_wait.MAX_CLAIM_INTERVAL_SECONDS
+    assert sum(intervals[:8]) < 3  # eight looks within the first 3 s of a wait
+    assert concurrency_wait._capped_timeout_interval(0.7, 3) == 0.7

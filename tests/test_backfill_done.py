@@ -1,0 +1,56 @@
+"""`shardprep run` goes on once its backfill's runs are over and every pair it targets is materialized
+(``launch.materialized_out``), without waiting for the daemon's next pass to mark it completed."""
+
+import time
+
+import dagster as dg
+from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+from dagster._core.test_utils import create_run_for_test
+
+from shardprep_dagster.orchestration.launch import materialized_out
+
+TILES = dg.StaticPartitionsDefinition(["a", "b"])
+KEY = dg.AssetKey("tiles")
+
+
+def _backfill(instance: dg.DagsterInstance, backfill_id: str) -> PartitionBackfill:
+    subset = AssetGraphSubset(partitions_subsets_by_asset_key={KEY: TILES.subset_with_partition_keys(["a", "b"])})
+    backfill = PartitionBackfill.from_asset_graph_subset(
+        backfill_id=backfill_id, backfill_timestamp=time.time(), tags={}, dynamic_partitions_store=instance,
+        asset_graph_subset=subset, title=None, description=None, run_config=None)
+    instance.add_backfill(backfill)
+    return backfill
+
+
+def _materialize(instance: dg.DagsterInstance, partition: str) -> None:
+    instance.report_runless_asset_event(dg.AssetMaterialization(KEY, partition=partition))
+
+
+def test_a_backfill_is_materialized_out_once_its_runs_are_over_and_every_pair_is_there():
+    with dg.instance_for_test() as instance:
+        backfill = _backfill(instance, "b1")
+        assert not materialized_out(instance, "b1")  # no run yet: the daemon has not begun
+        run = create_run_for_test(instance, job_name="j", status=dg.DagsterRunStatus.STARTED,
+                                  tags={"dagster/backfill": "b1"})
+        _materialize(instance, "a")
+        _materialize(instance, "b")
+        assert not materialized_out(instance, "b1")  # its run is still in flight
+        instance.handle_run_event(run.run_id, dg.DagsterEvent(event_type_value="PIPELINE_SUCCESS", job_name="j"))
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS
+        assert materialized_out(instance, "b1")
+        # what the daemon then does: marked, it is no longer the follower's to cut short
+        instance.update_backfill(backfill.with_status(BulkActionStatus.COMPLETED_SUCCESS))
+        assert not materialized_out(instance, "b1")
+
+
+def test_a_pair_materialized_before_the_backfill_began_does_not_count():
+    with dg.instance_for_test() as instance:
+        _materialize(instance, "b")  # an older materialization: not this backfill's
+        time.sleep(0.01)
+        _backfill(instance, "b2")
+        create_run_for_test(instance, job_name="j", status=dg.DagsterRunStatus.SUCCESS, tags={"dagster/backfill": "b2"})
+        _materialize(instance, "a")
+        assert not materialized_out(instance, "b2")
+        _materialize(instance, "b")
+        assert materialized_out(instance, "b2")
