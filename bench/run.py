@@ -511,7 +511,8 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                 ["", "input rows per CPU-second, steady state", _fmt(_rate(rows_n, so["cpu"])),
                  _fmt(_rate(rows_n, st["cpu"])), f"{st['cpu'] / so['cpu']:.2f}x", "", ""],
                 ["", f"per-core limit: the same images through the tightest single-thread loop "
-                 f"({LIMIT_WORK['images']}), images per CPU-second (median; measured after each repetition)",
+                 f"({LIMIT_WORK['images']}), images per CPU-second (median; measured right before and right "
+                 "after each run of ours)",
                  _fmt(lim["per_cpu_second"]), "", "", "", ""],
                 ["", "successful images per CPU-second, whole run; shardprep: share of the limit (median of each "
                  "run against the mean of the limit measured right before and right after it)",
