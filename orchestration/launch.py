@@ -132,9 +132,7 @@ def materialized_out(instance: dg.DagsterInstance, backfill_id: str) -> bool:
     if not instance.get_runs_count(filters=runs) or instance.get_runs_count(
             filters=dg.RunsFilter(tags=runs.tags, statuses=IN_FLIGHT)):
         return False
-    left = _pairs(data.target_subset - data.materialized_subset)
-    return all(_materialized_since(instance, key, shards, backfill.backfill_timestamp) == shards
-               for key, shards in left.items())
+    return not _missing(instance, backfill)
 
 
 def in_flight(instance: dg.DagsterInstance) -> tuple[Pairs, list[str]]:
@@ -197,13 +195,23 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
     backfill = instance.get_backfill(backfill_id)
     data = backfill.asset_backfill_data if backfill is not None else None
     if data is not None:
-        for key, shards in _pairs(data.target_subset - data.materialized_subset).items():
-            # the backfill's own accounting can miss a materialization the instance has (seen with Celery
-            # workers writing events while the daemon reads them): a pair counts as missing only if the
-            # instance has no materialization of it since the backfill began either
-            done = _materialized_since(instance, key, shards, backfill.backfill_timestamp)
-            for shard in shards - done:
+        for key, shards in _missing(instance, backfill).items():
+            for shard in shards:
                 out.setdefault(shard or "(global)", f"{key.to_user_string()}: not materialized")
+    return out
+
+
+def _missing(instance: dg.DagsterInstance, backfill: PartitionBackfill) -> Pairs:
+    """The pairs of ``backfill``'s target without a materialization since it began. The backfill's own
+    accounting can miss one the instance has (seen with Celery workers writing events while the daemon reads
+    them, and always for a while after the last run, until the daemon's next pass), so it is only the first
+    filter; the instance decides."""
+    data = backfill.asset_backfill_data
+    out: Pairs = {}
+    for key, shards in _pairs(data.target_subset - data.materialized_subset).items():
+        missing = shards - _materialized_since(instance, key, shards, backfill.backfill_timestamp)
+        if missing:
+            out[key] = missing
     return out
 
 

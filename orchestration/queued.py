@@ -157,7 +157,11 @@ class _Follower:
         """Until no run has any of ``keys`` in flight (or a stop signal came): a run another `shardprep run`
         executes in its own process (``_globals_here``); one whose process died is closed by the daemon
         check (``recover_dead_runs``), so this ends."""
-        while self.stop.received() is None and any(k in in_flight(self.instance)[0] for k in keys):
+        self._poll_while(lambda: any(k in in_flight(self.instance)[0] for k in keys))
+
+    def _poll_while(self, pending) -> None:
+        """Until ``pending()`` is false or a stop signal came, keeping the daemon alive meanwhile."""
+        while self.stop.received() is None and pending():
             if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
                 self._check_daemon()
             time.sleep(POLL_SECONDS)
@@ -210,12 +214,11 @@ class _Follower:
     def wait_marked(self) -> None:
         """Until the daemon has marked ``unmarked`` finished (it usually has, by the end of the run): a run
         leaves no backfill of its own in flight, which another run would wait for."""
-        while self.unmarked and self.stop.received() is None:
+        def still_unmarked() -> bool:
             self.unmarked = {b for b in self.unmarked if not progress(self.instance, b).finished}
-            if self.unmarked:
-                if time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
-                    self._check_daemon()
-                time.sleep(POLL_SECONDS)
+            return bool(self.unmarked)
+
+        self._poll_while(still_unmarked)
 
 
 def _launch_shards(plan: Plan, instance: dg.DagsterInstance, shards: list[str], summary: RunSummary,

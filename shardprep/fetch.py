@@ -398,7 +398,6 @@ def _request_bytes(path: str, headers: dict[str, str]) -> bytes:
     return b"".join(out)
 
 
-
 class _Connection(http.client.HTTPConnection):
     """http.client's connection to an address already checked (the host name only goes into the Host
     header and, for HTTPS, SNI and the certificate check), with its socket tracked by the pool's abort
