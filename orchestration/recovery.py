@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import socket
+import time
 from typing import Callable
 
 import dagster as dg
@@ -53,6 +54,11 @@ def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
 
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+# A run worker's code server notices its death within its cleanup tick (0.5 s) and records how it died
+# ("terminated by signal 9 (SIGKILL)"), which `shardprep run` reports; closing the run before it does loses
+# that. So a live code server's dead worker is left to it this long after we first see the death.
+CODE_SERVER_GRACE_SECONDS = 5.0
+_first_seen_gone: dict[str, float] = {}  # run id -> time.monotonic() when this process first saw it gone
 
 
 def _why_gone(instance: dg.DagsterInstance, run: dg.DagsterRun, daemon_alive: Callable[[], bool]) -> str | None:
@@ -63,6 +69,10 @@ def _why_gone(instance: dg.DagsterInstance, run: dg.DagsterRun, daemon_alive: Ca
         pid = int(run.tags[PID_TAG] or 0)
         if run.tags.get(HOST_TAG) != host or not pid or pid == os.getpid() or pid_alive(pid):
             return None
+        if GRPC_INFO_TAG in run.tags and _answers(json.loads(run.tags[GRPC_INFO_TAG])):
+            seen = _first_seen_gone.setdefault(run.run_id, time.monotonic())
+            if time.monotonic() - seen < CODE_SERVER_GRACE_SECONDS:
+                return None
         return f"the shardprep process {pid} running it is gone"
     if GRPC_INFO_TAG not in run.tags:  # dequeued, not handed to a code server yet: the daemon launches it
         return None if daemon_alive() else "the daemon that was launching it is gone"

@@ -96,3 +96,34 @@ def test_a_run_is_tagged_with_the_pid_of_its_own_process_only(tmp_path, executor
                                 instance=instance)
         tags = instance.get_run_by_id(result.run_id).tags
     assert tags.get(PID_TAG) == (str(os.getpid()) if executor == "in_process" else None)
+
+
+def test_a_dead_worker_of_a_live_code_server_is_left_to_it_for_a_while(monkeypatch):
+    """The code server that launched a run worker records how it died ("terminated by signal 9
+    (SIGKILL)"), which `shardprep run` reports: recover_dead_runs must not close the run first, yet closes
+    it if the code server never does."""
+    import json
+    import socket
+
+    from dagster._core.storage.tags import GRPC_INFO_TAG
+
+    from shardprep_dagster.orchestration import recovery
+    from shardprep_dagster.resources.dataset import HOST_TAG, PID_TAG
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with socket.socket() as server, dg.instance_for_test() as instance:  # a listening port: the live code server
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        run = instance.create_run_for_job(dg.GraphDefinition(name="job", node_defs=[]).to_job(), tags={
+            PID_TAG: str(dead.pid), HOST_TAG: socket.gethostname(),
+            GRPC_INFO_TAG: json.dumps({"host": "127.0.0.1", "port": server.getsockname()[1]})})
+        # started, as a run worker's run is
+        instance.handle_new_event(dg.EventLogEntry(
+            error_info=None, level="DEBUG", user_message="", run_id=run.run_id, timestamp=0.0,
+            dagster_event=dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name="job")))
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+        assert recovery.recover_dead_runs(instance) == []  # within the grace
+        monkeypatch.setattr(recovery, "CODE_SERVER_GRACE_SECONDS", 0.0)
+        assert recovery.recover_dead_runs(instance) == [run.run_id]  # the code server never reported it
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
