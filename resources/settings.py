@@ -31,12 +31,15 @@ class Settings:
     automation_interval: int = 15
     # SHARDPREP_SENSOR_INTERVAL: seconds between ticks of the new_source_files sensor
     sensor_interval: int = 30
-    # SHARDPREP_GPU_SHARDS_PER_RUN: shards per backfill run of a GPU asset (a model loads once per run)
-    gpu_shards_per_run: int = 8
+    # SHARDPREP_GPU_SHARDS_PER_RUN: shards per backfill run of a GPU asset (a model loads once per run).
+    # 16: a 20 x 1,000-row chain is two runs of 10 on the download pool's 2 slots (89.4 s, 3.6 GiB peak);
+    # with 8, Dagster's runs of 8, 8 and 4 left the last 8 downloading alone (~94 s, 4.9 GiB), and four
+    # runs of 5 paid two more process starts and model loads (104.7 s, 6.3 GiB; bench/E2E.md)
+    gpu_shards_per_run: int = 16
     # SHARDPREP_DOWNLOAD_SHARDS_PER_RUN: shards per backfill run of source_parquet / image_shards. Equal to
     # the GPU one, every per-shard asset has the same backfill policy and Dagster puts a chunk of shards
     # through all of them in one run: one process start and one model load per chunk (bench/QUEUE.md)
-    download_shards_per_run: int = 8
+    download_shards_per_run: int = 16
     # SHARDPREP_GPU_SLOTS: slots of the `gpu` pool set on an instance that has none yet
     # (default: one per visible GPU, 1 without GPUs; each GPU step leases its own device)
     gpu_slots: int | None = None

@@ -135,7 +135,7 @@ def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_sou
 
 
 def test_a_small_backfill_is_spread_over_the_download_slots(slower_source, tmp_path):
-    """6 shards, 8 per run by default: Dagster would make one run downloading them one after the other
+    """6 shards, 16 per run by default: Dagster would make one run downloading them one after the other
     while the second download slot idled. `shardprep run` launches one backfill per slot instead."""
     from shardprep_dagster.orchestration.queued import spread
 

@@ -91,7 +91,7 @@ def test_every_output_is_read_back_by_the_real_tools(dataset, instance):
     summary = run_pipeline(config, instance=instance, progress=False)  # the default: queued, through the daemon
     assert summary.ok, summary.failed
     # the 5 shards through every per-shard asset in one run per download slot (fewer shards than the slots'
-    # 8 shards per run each: orchestration.queued.spread), then the global assets in a run of this process
+    # 16 shards per run each: orchestration.queued.spread), then the global assets in a run of this process
     # (the in-process executor: orchestration.queued._globals_here), one run, not a backfill
     slots = instance.event_log_storage.get_concurrency_info("download").slot_count
     assert len(summary.backfills) == min(5, slots) and summary.runs == min(5, slots) + 1
