@@ -5,6 +5,7 @@ Part of the Dagster side; the core library (``shardprep``) never imports it."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -280,5 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def program() -> None:
+    """The `shardprep` command: ``main``, then the process ends without the interpreter's teardown, once
+    everything is recorded and printed: unloading Dagster's modules, torch's and the rest took ~0.8 s of
+    a chain's wall after its last run's success (what a stop by signal already skips)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()
