@@ -63,6 +63,9 @@ FALLBACK_FONTS = (
     "mpl-data:STIXGeneral.ttf",
 )
 MPL_PREFIX = "mpl-data:"
+# zlib's fastest level: a sheet of photographs takes 16 ms and 262 KB, where Pillow's optimize took 228 ms
+# and 219 KB, once per shard (of ~6 CPU-seconds a 1,000-row shard); the UI shows a JPEG of it anyway
+PNG_OPTIONS = {"compress_level": 1}
 
 
 class ContactSheetError(ShardprepError, ValueError):
@@ -330,7 +333,7 @@ def render_sheet(samples: list[tuple[str, bytes, str]], thumb: int = 96, lines: 
         for j, line in enumerate(shown[:lines]):
             font.draw(draw, (x0, y0 + thumb + PAD + j * LINE_HEIGHT), line, fill=TEXT)
     buf = io.BytesIO()
-    sheet.save(buf, format="PNG", optimize=True)
+    sheet.save(buf, format="PNG", **PNG_OPTIONS)
     return buf.getvalue()
 
 
@@ -397,7 +400,7 @@ def video_contact_sheet(tar_url: str, max_clips: int = 12, frames: int = STRIP_F
             img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.LANCZOS)
             sheet.paste(img, (x0 + (thumb - img.width) // 2, y1 + (thumb - img.height) // 2))
     buf = io.BytesIO()
-    sheet.save(buf, format="PNG", optimize=True)
+    sheet.save(buf, format="PNG", **PNG_OPTIONS)
     return buf.getvalue()
 
 
