@@ -32,7 +32,10 @@ def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
     in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTED,
                                         dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING])
     daemon_alive = functools.cache(lambda: _daemon_alive(instance))
-    for run in instance.get_runs(filters=in_flight):
+    runs = instance.get_runs(filters=in_flight)
+    for run_id in set(_first_seen_gone) - {run.run_id for run in runs}:  # closed since: by us or its code server
+        del _first_seen_gone[run_id]
+    for run in runs:
         if run.status == dg.DagsterRunStatus.NOT_STARTED and PID_TAG not in run.tags:
             continue  # someone else's (a launcher's, the UI's): not ours to judge before it starts
         why = _why_gone(instance, run, daemon_alive)

@@ -127,3 +127,5 @@ def test_a_dead_worker_of_a_live_code_server_is_left_to_it_for_a_while(monkeypat
         monkeypatch.setattr(recovery, "CODE_SERVER_GRACE_SECONDS", 0.0)
         assert recovery.recover_dead_runs(instance) == [run.run_id]  # the code server never reported it
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert run.run_id in recovery._first_seen_gone
+        assert recovery.recover_dead_runs(instance) == [] and run.run_id not in recovery._first_seen_gone  # forgotten
