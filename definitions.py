@@ -5,6 +5,7 @@ import dagster as dg
 from shardprep.artifacts import enabled, enabled_parents
 from shardprep.storage import exists
 from shardprep_dagster.assets import batched, global_assets, per_shard_assets
+from shardprep_dagster.orchestration import run_workers
 from shardprep_dagster.resources import ClipResource, DatasetResource, NemoEncoders, concurrency_wait
 from shardprep_dagster.resources.dataset import load_dataset
 from shardprep_dagster.resources.executor import executor_for
@@ -82,3 +83,4 @@ def build_defs(config_path: str, settings: Settings | None = None) -> dg.Definit
 
 _settings = load_settings()
 defs = build_defs(_settings.config, _settings)
+run_workers.fork_from_warm_process(__name__)  # in a code server: runs start as forks of a warm process

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import dagster as dg
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
+from shardprep.storage import pid_alive
 from shardprep_dagster.orchestration import daemon_process
 from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
@@ -34,15 +36,18 @@ IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.Dag
 ACTIVE_BACKFILLS = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
 HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
-CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
+CODE_LOCATION = daemon_process.CODE_LOCATION
+CODE_SERVER_START_TIMEOUT = 180  # seconds for the given code server to answer (Dagster's default for its own)
 # When Dagster's run-queue and backfill daemons iterate: within a second of a change of the runs' or
 # backfills' state (a run queued or finished, a backfill added: the small runs' next stage is not held up,
-# dagster#11649), else every BUSY_POLL_SECONDS while work is in flight; the state (5 counts, ~6 ms of CPU)
+# dagster#11649), else every BUSY_POLL_SECONDS while work is in flight (a safety net: what a backfill
+# waits for changes that state; each asset-backfill pass costs ~0.3-0.6 s of CPU on a 2-core machine, and
+# every 15 s they were most of this daemon's ~5% of a core during a 10,000-row shard's download); the state (5 counts, ~6 ms of CPU)
 # is read every STATE_POLL_SECONDS then, every IDLE_POLL_SECONDS when nothing is in flight, and within
 # WAKE_POLL_SECONDS when a client wakes the daemon (a file's time: a stat). The run-queue daemon also
 # looks right after each backfill pass, which may have queued runs: it looked up to a second later, at
 # the next read of the state (a chain's first runs: enqueued -> launched 0.5-0.8 s).
-BUSY_POLL_SECONDS = 15
+BUSY_POLL_SECONDS = 60
 IDLE_POLL_SECONDS = 5
 STATE_POLL_SECONDS = 1.0
 WAKE_POLL_SECONDS = 0.1
@@ -182,6 +187,63 @@ def code_location_target():
                         working_directory=os.path.dirname(os.path.abspath(origin)))
 
 
+def _client(server: daemon_process.CodeServer):
+    from dagster._grpc.client import DagsterGrpcClient
+
+    return DagsterGrpcClient(socket=server.socket, host="localhost")
+
+
+def _server_target(server: daemon_process.CodeServer):
+    from dagster._core.workspace.load_target import GrpcServerTarget
+
+    return GrpcServerTarget(host="localhost", port=None, socket=server.socket,
+                            location_name=daemon_process.LOCATION_NAME)
+
+
+def _answers(server: daemon_process.CodeServer) -> bool:
+    """Wait for the code server started beside this daemon to answer (it binds its socket once it has
+    loaded the code location). False if it died first, or did not answer in time: the daemon then starts
+    Dagster's own, as it would have without one."""
+    from dagster._core.errors import DagsterUserCodeUnreachableError
+
+    client = _client(server)
+    deadline = time.monotonic() + CODE_SERVER_START_TIMEOUT
+    while time.monotonic() < deadline and pid_alive(server.pid):
+        try:
+            client.ping("")
+            return True
+        except DagsterUserCodeUnreachableError:
+            time.sleep(0.05)
+    return False
+
+
+def _keep_alive(server: daemon_process.CodeServer) -> None:
+    """The heartbeat the code server expects (it stops itself after CODE_SERVER_HEARTBEAT_TIMEOUT without one)."""
+    from dagster._grpc import client as grpc_client
+
+    client = _client(server)
+    while True:
+        try:
+            client.heartbeat("shardprep")
+        except Exception:  # noqa: BLE001 - gone or busy: the next beat tries again
+            pass
+        time.sleep(grpc_client.CLIENT_HEARTBEAT_INTERVAL)
+
+
+def _stop(server: daemon_process.CodeServer) -> None:
+    """Ask the code server to stop once its runs' processes have ended (as Dagster stops its own); one that
+    does not answer (still loading: this daemon left at once) is terminated."""
+    try:
+        _client(server).shutdown_server(timeout=5)
+    except Exception:  # noqa: BLE001 - not answering
+        if pid_alive(server.pid):
+            os.kill(server.pid, signal.SIGTERM)
+    try:
+        os.unlink(server.socket)
+    except OSError:
+        pass
+
+
 # Dagster's own switch (dagster/_core/storage/event_log/base.py): a run logs one "materialization
 # planned" event per asset with its partition range, instead of one per (asset, partition). A run over a
 # range of 64 blocks of 8 assets otherwise logs 512 events at ~9 ms: the 1% backfill of a 580,000-shard
@@ -197,6 +259,15 @@ def one_planned_event_per_asset() -> None:
 
 
 def serve(idle_seconds: float) -> int:
+    server = daemon_process.given_code_server()
+    try:
+        return _serve(idle_seconds, server)
+    finally:
+        if server is not None:
+            _stop(server)
+
+
+def _serve(idle_seconds: float, server: daemon_process.CodeServer | None) -> int:
     from dagster._daemon.controller import daemon_controller_from_instance
     from dagster._grpc import client as grpc_client
 
@@ -224,7 +295,11 @@ def serve(idle_seconds: float) -> int:
             out.append(_monitoring_daemon(inst.run_monitoring_poll_interval_seconds, busy))
         return out
 
-    with daemon_controller_from_instance(instance, code_location_target(), gen_daemons=daemons,
+    target = code_location_target()
+    if server is not None and _answers(server):
+        target = _server_target(server)
+        threading.Thread(target=_keep_alive, args=(server,), name="code-server-heartbeat", daemon=True).start()
+    with daemon_controller_from_instance(instance, target, gen_daemons=daemons,
                                          heartbeat_interval_seconds=HEARTBEAT_SECONDS,
                                          log_level="warning") as controller:
         fh.seek(0)

@@ -154,14 +154,19 @@ def _temp_name(path: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process of this host with this pid exists."""
+    """Whether a process of this host with this pid exists and has not ended: a zombie (ended, not yet
+    reaped by its parent) has."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # the state, after the name in brackets
+    except (OSError, IndexError):  # no /proc (not Linux)
         return True
-    return True
 
 
 def writer_gone(temp_name: str, mtime: float | None = None, now: float | None = None) -> bool:

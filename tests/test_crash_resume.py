@@ -28,6 +28,19 @@ def test_killed_in_process_run_resumes_to_complete_outputs(slow_dataset):
     no_slot_held(home)
 
 
+def _parent(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 def _worker_pid(home: Path, shard: str) -> int:
     """The pid of the run worker materializing ``shard`` (tagged by the worker itself)."""
     import dagster as dg
@@ -49,7 +62,12 @@ def test_killed_run_worker_is_reported_and_the_rerun_completes(slow_dataset):
     proc = shardprep_run(config, home)
     wait_for(proc, layout.source_parquet("00001"), "shard 00001's run starting")
     time.sleep(1.0)  # its images are downloading
-    os.kill(_worker_pid(home, "00001"), signal.SIGKILL)
+    pid = _worker_pid(home, "00001")
+    # forked from a fork of the code server (orchestration.run_workers), not spawned cold
+    server = _parent(pid)
+    assert _comm(server) == "shardprep-runs"
+    assert "orchestration.code_server api grpc" in _cmdline(_parent(server))  # started beside the daemon
+    os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out  # the other shards finished; the killed one is reported, by shard
     assert "FAILED shard 00001: run" in out and "SIGKILL" in out, out

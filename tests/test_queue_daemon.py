@@ -57,6 +57,7 @@ def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serv
 
     from dagster._daemon.types import DaemonHeartbeat
 
+    from shardprep.storage import pid_alive
     from shardprep_dagster.orchestration import daemon_process
     from tests.fixtures.live_dagster import prepare_home
 
@@ -67,6 +68,11 @@ def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serv
     spawned = daemon_process._spawned[str(home)]
     assert spawned.wait(timeout=120) == 0  # gone by itself, long before its 20 s idle exit would end it
     assert open(daemon_process.lock_path(str(home))).read() == ""  # it never served: no id of its own
+    server = daemon_process._code_servers[str(home)]  # the code server started beside it is stopped
+    deadline = time.time() + 15  # well before it would stop by itself, without heartbeats (20 s)
+    while pid_alive(server.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(server.pid) and not os.path.exists(server.socket)
 
     # without the dagster-daemon's heartbeat, a private daemon serves (and writes its id) until idle
     env = {**os.environ, "DAGSTER_HOME": str(home)}
