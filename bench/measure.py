@@ -125,6 +125,8 @@ def median(xs):
 def _command(p: psutil.Process) -> str:
     """A process's command line, short and with numbers masked, so that processes of one kind (each run
     worker has its own pipe handle) group together."""
+    if p.name() == "shardprep-runs":  # run workers and the server they are forked from (run_workers.py)
+        return "shardprep-runs"
     cmd = p.cmdline()
     if not cmd:
         return p.name()

@@ -782,7 +782,8 @@ def _shard_overlap(tl: dict) -> str:
 
 
 def _process_kind(cmd: str) -> str:
-    kinds = {"spawn_main": "run workers", "shardprep_dagster.orchestration.queue_daemon": "queue daemon", "shardprep_dagster.orchestration.cli": "CLI",
+    kinds = {"shardprep-runs": "run workers", "spawn_main": "run workers",
+             "orchestration.code_server": "code server", "shardprep_dagster.orchestration.queue_daemon": "queue daemon", "shardprep_dagster.orchestration.cli": "CLI",
              "dagster api": "code server", "watch_": "compute-log watchers"}
     return next((v for k, v in kinds.items() if k in cmd), f"`{cmd}`")
 
