@@ -6,15 +6,19 @@ code location again before the run's first step. On 2 cores beside the other run
 wall a run and ~1.5 CPU-seconds (the chain benchmark, bench/E2E.md), and the first run's start lies on the
 critical path of every `shardprep run`.
 
-A code server of this code location instead starts multiprocessing's forkserver as soon as it has loaded
-the code location: a fresh, single-threaded interpreter that imports Dagster's run entry point and the code
-location once, then forks one process per run. Forkserver, not fork: the code server itself runs gRPC's
-threads, and a fork of a threaded process may inherit a held lock. What stays as with spawn: each run has a
-process of its own, with its own pid and a clean run state (no instance, no model, no thread is made before
-the fork); the code server's termination (``Process.terminate``) and its watch for a dead worker (the exit
-code, -9 for a SIGKILL, through the forkserver's status pipe) work as before. What differs: a run's process
-has the code location as the forkserver loaded it, as the code server's own snapshot of it is; a changed
-config is seen by the next code server (`shardprep run` starts one per command; the UI's "reload").
+A code server of this code location instead forks a server from itself as soon as it has loaded the code
+location (``_fork_server_here``): it is still single-threaded then (its gRPC server and threads come after),
+and has Dagster, the code location and the instance's storage loaded. The server speaks multiprocessing's
+forkserver protocol and forks one process per run: launch -> run start 2.3-2.5 s -> 0.4-0.9 s on the
+benchmark machine. Where the code server is not single-threaded at that point, or on a Python whose
+forkserver protocol differs, a fresh forkserver interpreter imports it all once instead (~2.5 CPU-s; its
+first runs wait for that). Not a plain fork of the code server per run: by then it runs gRPC's threads, and
+a fork of a threaded process may inherit a held lock. What stays as with spawn: each run has a process of
+its own, with its own pid and a clean run state (no instance, no model, no thread is made before the fork);
+the code server's termination (``Process.terminate``) and its watch for a dead worker (the exit code, -9 for
+a SIGKILL, through the forkserver's status pipe) work as before. What differs: a run's process has the code
+location as the code server loaded it, as the code server's own snapshot of it is; a changed config is seen
+by the next code server (`shardprep run` starts one per daemon; the UI's "reload").
 
 ``SHARDPREP_RUN_WORKERS=spawn`` keeps Dagster's spawn.
 """
@@ -69,8 +73,9 @@ def fork_from_warm_process(code_location: str) -> bool:
 def _fork_server_here(preload: list[str], code_location: str) -> None:
     """``ForkServer.ensure_running``, with the server a fork of this process instead of a fresh interpreter:
     the code server is still single-threaded while it imports the code location (its gRPC server and
-    threads come after), and has then loaded all a run needs but the instance, so the server costs no
-    imports at all. The server's end of the protocol is multiprocessing's own (``forkserver.main``)."""
+    threads come after), and has then loaded what a run needs, the instance's storage included, so the
+    server costs next to no imports. The server's end of the protocol is multiprocessing's own
+    (``forkserver.main``)."""
     server = forkserver._forkserver
     resource_tracker.ensure_running()
     sys.stdout.flush()
