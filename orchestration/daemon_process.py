@@ -79,15 +79,20 @@ def start_code_server(env: dict[str, str], log) -> CodeServer:
     """``dagster api grpc`` serving the code location on a fresh unix socket, as Dagster's daemon would
     start it (module, working directory, heartbeat), in a session of its own like the daemon's; through
     ``orchestration.code_server``, which makes a fresh instance first."""
-    origin = importlib.util.find_spec(CODE_LOCATION).origin  # found, not imported (that builds the graph)
     path = os.path.join(tempfile.gettempdir(), f"shardprep-code-{secrets.token_hex(6)}.sock")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardprep_dagster.orchestration.code_server", "api", "grpc", "--lazy-load-user-code", "--socket", path,
          "--heartbeat", "--heartbeat-timeout", str(CODE_SERVER_HEARTBEAT_TIMEOUT), "--log-level", "warning",
          "--location-name", LOCATION_NAME, "-m", CODE_LOCATION,
-         "-d", os.path.dirname(os.path.abspath(origin))],
+         "-d", code_location_dir()],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     return CodeServer(proc.pid, path)
+
+
+def code_location_dir() -> str:
+    """The code location's working directory (where its module lies), as Dagster is given it."""
+    origin = importlib.util.find_spec(CODE_LOCATION).origin  # found, not imported (that builds the graph)
+    return os.path.dirname(os.path.abspath(origin))
 
 
 def given_code_server() -> CodeServer | None:

@@ -178,13 +178,10 @@ def _monitoring_daemon(interval: float, busy: threading.Event):
 
 def code_location_target():
     """The code location by module name, as every process of the distribution loads it."""
-    import importlib.util
-
     from dagster._core.workspace.load_target import ModuleTarget
 
-    origin = importlib.util.find_spec(CODE_LOCATION).origin  # found, not imported (that builds the graph)
-    return ModuleTarget(module_name=CODE_LOCATION, attribute=None, location_name="shardprep",
-                        working_directory=os.path.dirname(os.path.abspath(origin)))
+    return ModuleTarget(module_name=CODE_LOCATION, attribute=None, location_name=daemon_process.LOCATION_NAME,
+                        working_directory=daemon_process.code_location_dir())
 
 
 def _client(server: daemon_process.CodeServer):

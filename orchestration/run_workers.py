@@ -122,6 +122,8 @@ def _single_threaded() -> bool:
     (the logging module's, an import's, ours). The native threads that are already there (OpenBLAS's
     for numpy, jemalloc's for pyarrow) handle a fork themselves, as with every fork multiprocessing makes."""
     return threading.active_count() == 1
+
+
 def _preloadable(module: str) -> bool:
     # a code location loaded from a file (`dagster api grpc -f`) is not importable by name in the forkserver
     spec = sys.modules.get(module).__spec__ if module in sys.modules else None
