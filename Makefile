@@ -17,9 +17,15 @@ export DAGSTER_PG_USER ?= postgres
 export DAGSTER_PG_PASSWORD ?=
 export DAGSTER_PG_DB ?= test
 
-.PHONY: setup chromium demo test ui bench s3 clean
+.PHONY: setup bytecode chromium demo test ui bench s3 clean
 
-setup: $(STAMP) chromium $(V2D)
+setup: $(STAMP) chromium $(V2D) bytecode
+
+# An editable install leaves our modules uncompiled, and with PYTHONDONTWRITEBYTECODE set (as on the
+# benchmark machine) every process compiled ~100 of them again at start (~0.3 CPU-s each: the CLI, the
+# queue daemon, a run started cold). Stale files cost nothing but that: Python checks each against its source.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q shardprep assets resources sensors orchestration definitions.py >/dev/null
 
 # The browser tests drive Debian's chromium through Playwright (never `playwright install`).
 chromium:

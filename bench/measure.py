@@ -125,8 +125,8 @@ def median(xs):
 def _command(p: psutil.Process) -> str:
     """A process's command line, short and with numbers masked, so that processes of one kind (each run
     worker has its own pipe handle) group together."""
-    if p.name() == "shardprep-runs":  # run workers and the server they are forked from (run_workers.py)
-        return "shardprep-runs"
+    if p.name() in ("shardprep-runs", "shardprep-code"):  # forks: run workers and their server (run_workers.py),
+        return p.name()  # the daemon's code server (queue_daemon.fork_code_server)
     cmd = p.cmdline()
     if not cmd:
         return p.name()

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib
 import os
+import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from typing import NamedTuple
 
 import dagster as dg
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
+from shardprep.allocator import collector_paused
 from shardprep.storage import pid_alive
-from shardprep_dagster.orchestration import daemon_process
+from shardprep_dagster.orchestration import code_server, daemon_process
 from shardprep_dagster.orchestration.instance import dagster_home, get_instance
 
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
@@ -37,7 +42,9 @@ ACTIVE_BACKFILLS = [BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING]
 HEARTBEAT_SECONDS = 20  # a private daemon's heartbeats (HEARTBEAT_FRESH_SECONDS: 60 s counts as alive)
 HEARTBEAT_FRESH_SECONDS = 60  # a daemon's heartbeat (every 30 s by default) younger than this: it is alive
 CODE_LOCATION = daemon_process.CODE_LOCATION
-CODE_SERVER_START_TIMEOUT = 180  # seconds for the given code server to answer (Dagster's default for its own)
+CODE_SERVER_START_TIMEOUT = 180  # seconds for the code server to answer (Dagster's default for its own)
+CODE_SERVER_HEARTBEAT_TIMEOUT = 20  # seconds; Dagster's for the code servers its daemons start
+CODE_SERVER_NAME = "shardprep-code"  # the forked code server's process name (ps, top)
 # When Dagster's run-queue and backfill daemons iterate: within a second of a change of the runs' or
 # backfills' state (a run queued or finished, a backfill added: the small runs' next stage is not held up,
 # dagster#11649), else every BUSY_POLL_SECONDS while work is in flight (a safety net: what a backfill
@@ -162,6 +169,21 @@ def _run_queue_daemon(poke: threading.Event):
     return Paced(interval_seconds=1)
 
 
+def _poke_on_submit(instance: dg.DagsterInstance, poke: threading.Event) -> None:
+    """The run-queue daemon looks as soon as a run is queued in this process (the backfill daemon's pass
+    queues its runs part way through, then goes on for ~0.5 s on 2 cores: a chain's first runs were launched
+    0.5-0.6 s after they were queued, at the end of the pass)."""
+    coordinator = instance.run_coordinator
+    submit = coordinator.submit_run
+
+    def submit_run(context):
+        run = submit(context)
+        poke.set()
+        return run
+
+    coordinator.submit_run = submit_run
+
+
 def _monitoring_daemon(interval: float, busy: threading.Event):
     """Dagster's MonitoringDaemon (a run worker that died is marked failed, its pool slots freed) every
     ``interval`` s while runs are in flight (``busy``); idle, it waits for them."""
@@ -184,23 +206,67 @@ def code_location_target():
                         working_directory=daemon_process.code_location_dir())
 
 
-def _client(server: daemon_process.CodeServer):
+class CodeServer(NamedTuple):
+    pid: int
+    socket: str
+
+
+def fork_code_server(lock_fd: int) -> CodeServer | None:
+    """``dagster api grpc`` serving the code location on a fresh unix socket, as Dagster's daemon would start
+    it (module, working directory, heartbeat), forked from this process once it has imported the code
+    location (``daemon_process``); None where that cannot be done safely (a thread is running: a fork would
+    inherit whatever lock it holds), and the daemon lets Dagster start its own. ``lock_fd``: the daemon's
+    lock, closed in the code server, which must not hold it after the daemon has gone."""
+    from shardprep_dagster.orchestration import run_workers
+
+    with collector_paused():  # the code location: what the code server would import, once for both
+        importlib.import_module(CODE_LOCATION)
+    if not run_workers.single_threaded():
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"shardprep-code-{secrets.token_hex(6)}.sock")
+    argv = ["dagster", "api", "grpc", "--lazy-load-user-code", "--socket", path, "--heartbeat",
+            "--heartbeat-timeout", str(CODE_SERVER_HEARTBEAT_TIMEOUT), "--log-level", "warning",
+            "--location-name", daemon_process.LOCATION_NAME, "-m", CODE_LOCATION, "-d", daemon_process.code_location_dir()]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(lock_fd)
+            run_workers.name_process(CODE_SERVER_NAME)
+            sys.argv = argv
+            code_server.main()
+            code = 0
+        except SystemExit as e:  # how Dagster's command ends
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:  # noqa: BLE001 - said in the daemon's log; never back into the daemon's code
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(f"shardprep: code server {pid} ({CODE_SERVER_NAME}) on {path}", flush=True)  # (the daemon's log)
+    return CodeServer(pid, path)
+
+
+def _client(server: CodeServer):
     from dagster._grpc.client import DagsterGrpcClient
 
     return DagsterGrpcClient(socket=server.socket, host="localhost")
 
 
-def _server_target(server: daemon_process.CodeServer):
+def _server_target(server: CodeServer):
     from dagster._core.workspace.load_target import GrpcServerTarget
 
     return GrpcServerTarget(host="localhost", port=None, socket=server.socket,
                             location_name=daemon_process.LOCATION_NAME)
 
 
-def _answers(server: daemon_process.CodeServer) -> bool:
-    """Wait for the code server started beside this daemon to answer (it binds its socket once it has
-    loaded the code location). False if it died first, or did not answer in time: the daemon then starts
-    Dagster's own, as it would have without one."""
+def _answers(server: CodeServer) -> bool:
+    """Wait for the code server forked from this daemon to answer (it binds its socket once it has opened
+    the instance and loaded the code location). False if it died first, or did not answer in time: the
+    daemon then starts Dagster's own, as it would have without one."""
     from dagster._core.errors import DagsterUserCodeUnreachableError
 
     client = _client(server)
@@ -214,7 +280,7 @@ def _answers(server: daemon_process.CodeServer) -> bool:
     return False
 
 
-def _keep_alive(server: daemon_process.CodeServer) -> None:
+def _keep_alive(server: CodeServer) -> None:
     """The heartbeat the code server expects (it stops itself after CODE_SERVER_HEARTBEAT_TIMEOUT without one)."""
     from dagster._grpc import client as grpc_client
 
@@ -227,7 +293,7 @@ def _keep_alive(server: daemon_process.CodeServer) -> None:
         time.sleep(grpc_client.CLIENT_HEARTBEAT_INTERVAL)
 
 
-def _stop(server: daemon_process.CodeServer) -> None:
+def _stop(server: CodeServer) -> None:
     """Ask the code server to stop once its runs' processes have ended (as Dagster stops its own); one that
     does not answer (still loading: this daemon left at once) is terminated."""
     try:
@@ -238,6 +304,10 @@ def _stop(server: daemon_process.CodeServer) -> None:
     try:
         os.unlink(server.socket)
     except OSError:
+        pass
+    try:  # our child: reaped, if it has ended (the daemon may live on after this)
+        os.waitpid(server.pid, os.WNOHANG)
+    except ChildProcessError:
         pass
 
 
@@ -256,23 +326,23 @@ def one_planned_event_per_asset() -> None:
 
 
 def serve(idle_seconds: float) -> int:
-    server = daemon_process.given_code_server()
-    try:
-        return _serve(idle_seconds, server)
-    finally:
-        if server is not None:
-            _stop(server)
-
-
-def _serve(idle_seconds: float, server: daemon_process.CodeServer | None) -> int:
-    from dagster._daemon.controller import daemon_controller_from_instance
-    from dagster._grpc import client as grpc_client
-
     fh = open(lock_path(), "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0  # another process of this instance is the run-queue daemon
+    server = fork_code_server(fh.fileno())
+    try:
+        return _serve(idle_seconds, server, fh)
+    finally:
+        if server is not None:
+            _stop(server)
+
+
+def _serve(idle_seconds: float, server: CodeServer | None, fh) -> int:
+    from dagster._daemon.controller import daemon_controller_from_instance
+    from dagster._grpc import client as grpc_client
+
     fh.seek(0)
     dead_id = fh.read().strip()
     one_planned_event_per_asset()
@@ -292,6 +362,7 @@ def _serve(idle_seconds: float, server: daemon_process.CodeServer | None) -> int
             out.append(_monitoring_daemon(inst.run_monitoring_poll_interval_seconds, busy))
         return out
 
+    _poke_on_submit(instance, pokes[0])
     target = code_location_target()
     if server is not None and _answers(server):
         target = _server_target(server)

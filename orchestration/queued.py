@@ -42,7 +42,7 @@ from shardprep_dagster.orchestration.stop import Stop
 from shardprep_dagster.orchestration.summary import RunSummary
 from shardprep_dagster.resources.dataset import CONFIG_TAG, HOST_TAG, PID_TAG
 
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.2
 READ_SECONDS = 5.0  # the backfills are read at least this often while waited for, news or not (_Follower._news)
 DAEMON_CHECK_SECONDS = 5.0
 # after SIGTERM: how long the cancellation is waited for (a run's downloads stop at once and it is

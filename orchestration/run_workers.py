@@ -7,7 +7,8 @@ wall a run and ~1.5 CPU-seconds (the chain benchmark, bench/E2E.md), and the fir
 critical path of every `shardprep run`.
 
 A code server of this code location instead forks a server from itself as soon as it has loaded the code
-location (``_fork_server_here``): it is still single-threaded then (its gRPC server and threads come after),
+location (``_fork_server_here``; the queue daemon's code server, itself a fork of the daemon made after that
+import, does it as it starts: ``code_server.main``): it is still single-threaded then (its gRPC server and threads come after),
 and has Dagster, the code location and the instance's storage loaded. The server speaks multiprocessing's
 forkserver protocol and forks one process per run: launch -> run start 2.3-2.5 s -> 0.4-0.9 s on the
 benchmark machine. Where the code server is not single-threaded at that point, or on a Python whose
@@ -62,7 +63,7 @@ def fork_from_warm_process(code_location: str) -> bool:
     # a data descriptor on the class wins over the instance's own attribute, which the server set in its
     # __init__ (already run: the server loads the code location from its __init__)
     DagsterApiServer._mp_ctx = property(lambda _self: _ctx, lambda _self, _value: None)
-    if _single_threaded() and FORK_HERE_PYTHONS[0] <= sys.version_info[:2] <= FORK_HERE_PYTHONS[1]:
+    if single_threaded() and FORK_HERE_PYTHONS[0] <= sys.version_info[:2] <= FORK_HERE_PYTHONS[1]:
         _fork_server_here([RUN_ENTRY, PRELOAD], code_location)
     else:  # a fresh interpreter that imports it all again (~2.5 CPU-s), in the background
         _ctx.set_forkserver_preload([RUN_ENTRY, PRELOAD, code_location])
@@ -97,7 +98,7 @@ def _fork_server_here(preload: list[str], code_location: str) -> None:
                 # forked from inside the import of the code location, which in this process never returns:
                 # mark it done, so an import of it (a run's job, from any thread) takes the loaded module
                 sys.modules[code_location].__spec__._initializing = False
-                _name_process(PROCESS_NAME)
+                name_process(PROCESS_NAME)
                 forkserver.main(listener.fileno(), alive_r, preload)
             except SystemExit:  # how the server ends, once this process is gone
                 code = 0
@@ -107,7 +108,7 @@ def _fork_server_here(preload: list[str], code_location: str) -> None:
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
     """The name `ps -o comm`, `top` and psutil show (Linux), inherited by the runs' processes: the server
     and runs would otherwise all show as code servers."""
     try:
@@ -117,7 +118,7 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _single_threaded() -> bool:
+def single_threaded() -> bool:
     """No thread of Python's but this one: a fork leaves the others behind, holding whatever lock they held
     (the logging module's, an import's, ours). The native threads that are already there (OpenBLAS's
     for numpy, jemalloc's for pyarrow) handle a fork themselves, as with every fork multiprocessing makes."""

@@ -32,7 +32,7 @@ import time
 from dagster._core.execution.plan import active as _active
 from dagster._core.execution.plan import instance_concurrency_context as _icc
 
-FIRST_CLAIM_INTERVAL_SECONDS = 0.25
+FIRST_CLAIM_INTERVAL_SECONDS = 0.05
 MAX_CLAIM_INTERVAL_SECONDS = 2.0
 
 _original_interval = _icc._calculate_timeout_interval

@@ -66,7 +66,9 @@ def test_killed_run_worker_is_reported_and_the_rerun_completes(slow_dataset):
     # forked from a fork of the code server (orchestration.run_workers), not spawned cold
     server = _parent(pid)
     assert _comm(server) == "shardprep-runs"
-    assert "orchestration.code_server api grpc" in _cmdline(_parent(server))  # started beside the daemon
+    code_server = _parent(server)  # a fork of the queue daemon, made once it had imported the code location
+    assert _comm(code_server) == "shardprep-code"
+    assert "orchestration.queue_daemon" in _cmdline(_parent(code_server))
     os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out  # the other shards finished; the killed one is reported, by shard

@@ -48,6 +48,15 @@ def test_a_run_enqueued_after_it_was_created_changes_the_daemon_state():
         assert enqueued != created
 
 
+def _code_server_of(log) -> tuple[int, str]:
+    """The pid and socket of the code server the daemon forked, as its log says."""
+    import re
+
+    found = re.findall(r"code server (\d+) \(shardprep-code\) on (\S+)", open(log).read())
+    assert found, open(log).read()
+    return int(found[-1][0]), found[-1][1]
+
+
 def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serves(tmp_path):
     """`shardprep run` starts its daemon before it can tell whether a dagster-daemon (`make ui`'s) serves
     the instance: the daemon looks itself and leaves, or two would turn one backfill into runs twice."""
@@ -68,11 +77,13 @@ def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serv
     spawned = daemon_process._spawned[str(home)]
     assert spawned.wait(timeout=120) == 0  # gone by itself, long before its 20 s idle exit would end it
     assert open(daemon_process.lock_path(str(home))).read() == ""  # it never served: no id of its own
-    server = daemon_process._code_servers[str(home)]  # the code server started beside it is stopped
-    deadline = time.time() + 15  # well before it would stop by itself, without heartbeats (20 s)
-    while pid_alive(server.pid) and time.time() < deadline:
+    # its code server, a fork of it, is stopped with it and its socket removed, well before the code server
+    # would stop by itself without heartbeats (20 s)
+    pid, socket_path = _code_server_of(home / "shardprep_daemon.log")
+    deadline = time.time() + 15
+    while pid_alive(pid) and time.time() < deadline:
         time.sleep(0.1)
-    assert not pid_alive(server.pid) and not os.path.exists(server.socket)
+    assert not pid_alive(pid) and not os.path.exists(socket_path)
 
     # without the dagster-daemon's heartbeat, a private daemon serves (and writes its id) until idle
     env = {**os.environ, "DAGSTER_HOME": str(home)}
