@@ -206,6 +206,43 @@ def test_engine_fast_and_exact_agree(big_site, tmp_path):
         assert np.abs(_pixels(a["jpg"]) - _pixels(b["jpg"])).mean() < 1.0
 
 
+def test_images_are_decoded_on_the_shards_decode_threads_at_most_decode_threads_at_once(big_site, tmp_path, monkeypatch):
+    """Download threads hand their bytes to the shard's decode threads (``decode_threads`` of them): no
+    download thread decodes, and never more images are decoded at once than there are decode threads."""
+    import threading
+    import time
+
+    from shardprep.images import shards
+
+    base_url, n = big_site
+    seen: list[tuple[str, int]] = []
+    lock, busy = threading.Lock(), [0]
+    real = shards.resize_image
+
+    def watched(data, **kw):
+        nonlocal busy
+        with lock:
+            busy[0] += 1
+            seen.append((threading.current_thread().name, busy[0]))
+        try:
+            time.sleep(0.01)  # long enough for a third to start if nothing bounded them
+            return real(data, **kw)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(shards, "resize_image", watched)
+    urls = [f"{base_url}/images/{i % n}.jpg" for i in range(24)]
+    layout = Layout(str(tmp_path / "out"))
+    cfg = config_from_dict({"source": "x", "output_root": layout.root, "samples_per_shard": 30, "image_size": 64,
+                            "thread_count": 8, "decode_threads": 2, "allow_private_addresses": True})
+    report = write_image_shard(pa.table({"url": urls, "caption": ["c"] * len(urls)}), 0, cfg, layout)
+    assert report.successes == 24 and len(seen) == 24
+    assert {name.rsplit("_", 1)[0] for name, _ in seen} == {"shardprep-decode"}
+    assert max(b for _, b in seen) == 2  # both threads at work, never a third
+    assert not [t for t in threading.enumerate() if t.name.startswith("shardprep-decode")]  # none outlives the shard
+
+
 def test_decode_config_fields():
     base = {"source": "x", "output_root": "y"}
     assert config_from_dict(base).fast_decode is True

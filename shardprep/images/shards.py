@@ -30,7 +30,7 @@ import os
 import queue
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
@@ -132,14 +132,16 @@ def _exif_json(data: bytes) -> str | None:
 TAKEN_DOWN = object()  # the URL of a row a takedown list names: never requested
 
 
-def _process_one(url: Any, *, download: Callable, resize: Callable, extract_exif: bool,
-                 cpu_slots: Slots, taken_down_hashes: frozenset = frozenset()) -> _Outcome:
-    """Download + decode/resize/encode one URL (runs in a pool thread; OpenCV releases the GIL).
+def _process_one(url: Any, *, download: Callable, decode: Callable,
+                 taken_down_hashes: frozenset = frozenset()) -> _Outcome | Future:
+    """Download one URL (in a download thread) and hand its bytes to ``decode`` (``_decode`` on the shard's
+    decode threads): the future of its outcome, or the failure at once.
 
-    Downloads overlap freely; the decode/resize/encode step waits for one of ``cpu_slots``, so at
-    most that many full-size images are decoded at once (memory) and the cores are not
-    oversubscribed by dozens of threads decoding together (the GIL handoffs between them cost more
-    than they gain)."""
+    The decode threads, one per core, take the downloads in the order they arrive: at most that many
+    full-size images are decoded at once (memory), the cores are not oversubscribed by dozens of threads
+    decoding together, and a download thread never waits for a core. When download threads took turns at
+    the decode themselves (a semaphore of one slot per core), each image cost a thread that slept on the
+    slot and a wake-up to hand it over, ~13 voluntary context switches a row in all."""
     if url is TAKEN_DOWN:
         return _Outcome("failed_to_download", REMOVED)
     fetched = download(url)
@@ -149,11 +151,15 @@ def _process_one(url: Any, *, download: Callable, resize: Callable, extract_exif
     digest = hashlib.sha256(data).hexdigest()
     if digest in taken_down_hashes:  # the bytes a takedown names (their sha256): dropped unread
         return _Outcome("failed_to_download", REMOVED)
-    with cpu_slots:
-        r = resize(data)
-        if r.error is not None:
-            return _Outcome("failed_to_resize", r.error)
-        exif = _exif_json(data) if extract_exif else None
+    return decode(data, digest)
+
+
+def _decode(data: bytes, digest: str, *, resize: Callable, extract_exif: bool) -> _Outcome:
+    """Decode/resize/encode one downloaded image (OpenCV, simplejpeg and torch release the GIL)."""
+    r = resize(data)
+    if r.error is not None:
+        return _Outcome("failed_to_resize", r.error)
+    exif = _exif_json(data) if extract_exif else None
     return _Outcome("success", None, r.data, r.width, r.height, r.original_width, r.original_height,
                     exif, digest)
 
@@ -161,7 +167,7 @@ def _process_one(url: Any, *, download: Callable, resize: Callable, extract_exif
 class Slots:
     """At most ``n`` holders at once (``with slots:``), like ``threading.BoundedSemaphore`` but on a C
     queue of tokens: the semaphore's Condition costs ~6% of a download thread's Python time in
-    lock and notify calls, once per image."""
+    lock and notify calls, once per item (the video shards' clip slots)."""
 
     def __init__(self, n: int):
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
@@ -176,7 +182,7 @@ class Slots:
 
 
 def decode_slots(cfg: DatasetConfig) -> int:
-    """Images decoded at once in one shard: ``decode_threads``, or one per CPU core when 0."""
+    """Images decoded at once in one shard (its decode threads): ``decode_threads``, or one per CPU core when 0."""
     if cfg.decode_threads:
         return cfg.decode_threads
     try:
@@ -287,17 +293,15 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     # robots.txt and the per-host limits, as for videos
     download = politeness.polite_downloader(download, cfg, pool=pool,
                                             deadline_seconds=default_deadline(cfg.timeout, cfg.retries))
-    work = partial(
-        _process_one,
-        download=download,
-        resize=partial(resize_image, image_size=cfg.image_size, resize_mode=cfg.resize_mode,
-                       resize_only_if_bigger=cfg.resize_only_if_bigger, encode_format=cfg.encode_format,
-                       encode_quality=cfg.encode_quality, max_image_pixels=cfg.max_image_pixels,
-                       fast_decode=cfg.fast_decode),
-        extract_exif=cfg.extract_exif,
-        cpu_slots=Slots(decode_slots(cfg)),
-        taken_down_hashes=frozenset(takedowns.entries["sha256"]),
-    )
+    decoder = ThreadPoolExecutor(max_workers=decode_slots(cfg), thread_name_prefix="shardprep-decode")
+    decode = partial(_decode,
+                     resize=partial(resize_image, image_size=cfg.image_size, resize_mode=cfg.resize_mode,
+                                    resize_only_if_bigger=cfg.resize_only_if_bigger, encode_format=cfg.encode_format,
+                                    encode_quality=cfg.encode_quality, max_image_pixels=cfg.max_image_pixels,
+                                    fast_decode=cfg.fast_decode),
+                     extract_exif=cfg.extract_exif)
+    work = partial(_process_one, download=download, decode=partial(decoder.submit, decode),
+                   taken_down_hashes=frozenset(takedowns.entries["sha256"]))
     out_cols: dict[str, list] = {name: [] for name in schema.names}
     counts: Counter = Counter()
     status_dict: Counter = Counter()
@@ -308,6 +312,8 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
         with (TarWriter(layout.tar(shard), remove_stale=True) as tar,
               closing(shard_downloads(work, urls, cfg.thread_count, pool, shard)) as results):
             for i, outcome in enumerate(results):
+                if isinstance(outcome, Future):
+                    outcome = waiting.result(outcome)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 meta: dict[str, Any] = {name: values[name][i] for name in names_in}
@@ -330,6 +336,8 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                     members["txt"] = str(caption) if caption is not None else ""
                 tar.add(keys[i], members)
     finally:
+        # images still queued are dropped (an interrupt, an abort); those being decoded finish first
+        decoder.shutdown(wait=True, cancel_futures=True)
         pool.clear()
     tar_bytes, tar_written = tar.bytes_written, tar.count > 0
 
