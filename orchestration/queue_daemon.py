@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from typing import NamedTuple
 
 import dagster as dg
@@ -227,25 +226,14 @@ def fork_code_server(lock_fd: int) -> CodeServer | None:
     argv = ["dagster", "api", "grpc", "--lazy-load-user-code", "--socket", path, "--heartbeat",
             "--heartbeat-timeout", str(CODE_SERVER_HEARTBEAT_TIMEOUT), "--log-level", "warning",
             "--location-name", daemon_process.LOCATION_NAME, "-m", CODE_LOCATION, "-d", daemon_process.code_location_dir()]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(lock_fd)
-            run_workers.name_process(CODE_SERVER_NAME)
-            sys.argv = argv
-            code_server.main()
-            code = 0
-        except SystemExit as e:  # how Dagster's command ends
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:  # noqa: BLE001 - said in the daemon's log; never back into the daemon's code
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+
+    def serve() -> None:  # (its traceback, if any, goes to the daemon's log)
+        os.close(lock_fd)
+        run_workers.name_process(CODE_SERVER_NAME)
+        sys.argv = argv
+        code_server.main()
+
+    pid = run_workers.fork_child(serve)
     print(f"shardprep: code server {pid} ({CODE_SERVER_NAME}) on {path}", flush=True)  # (the daemon's log)
     return CodeServer(pid, path)
 
@@ -304,10 +292,6 @@ def _stop(server: CodeServer) -> None:
     try:
         os.unlink(server.socket)
     except OSError:
-        pass
-    try:  # our child: reaped, if it has ended (the daemon may live on after this)
-        os.waitpid(server.pid, os.WNOHANG)
-    except ChildProcessError:
         pass
 
 

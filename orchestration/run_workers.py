@@ -29,7 +29,9 @@ import os
 import socket
 import sys
 import threading
+import traceback
 import warnings
+from collections.abc import Callable
 from multiprocessing import connection, forkserver, resource_tracker, util
 
 ENV = "SHARDPREP_RUN_WORKERS"
@@ -79,33 +81,50 @@ def _fork_server_here(preload: list[str], code_location: str) -> None:
     (``forkserver.main``)."""
     server = forkserver._forkserver
     resource_tracker.ensure_running()
-    sys.stdout.flush()
-    sys.stderr.flush()
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
         listener.listen()
-        alive_r, alive_w = os.pipe()  # EOF once this process is gone: the server then exits
-        with warnings.catch_warnings():  # Python 3.12 warns of those native threads
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(alive_w)
-                # forked from inside the import of the code location, which in this process never returns:
-                # mark it done, so an import of it (a run's job, from any thread) takes the loaded module
-                sys.modules[code_location].__spec__._initializing = False
-                name_process(PROCESS_NAME)
-                forkserver.main(listener.fileno(), alive_r, preload)
-            except SystemExit:  # how the server ends, once this process is gone
-                code = 0
-            finally:
-                os._exit(code)  # never back into the code server's own code
+        alive_r, alive_w = os.pipe()  # EOF once this process is gone: the server then exits (SystemExit)
+
+        def serve() -> None:
+            os.close(alive_w)
+            # forked from inside the import of the code location, which in this process never returns:
+            # mark it done, so an import of it (a run's job, from any thread) takes the loaded module
+            sys.modules[code_location].__spec__._initializing = False
+            name_process(PROCESS_NAME)
+            forkserver.main(listener.fileno(), alive_r, preload)
+
+        pid = fork_child(serve)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def fork_child(child: Callable[[], object]) -> int:
+    """Fork; the child runs ``child()`` and exits, never returning into this process's code: with its
+    ``SystemExit``'s code, 0 when it returns, 1 on any other exception (its traceback on stderr). Returns the
+    child's pid. Call it single-threaded (``single_threaded``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # Python 3.12 warns of the native threads already there
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        child()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001 - said on stderr; never back into the parent's code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def name_process(name: str) -> None:
