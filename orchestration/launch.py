@@ -79,6 +79,7 @@ def cancel(instance: dg.DagsterInstance, backfill_id: str) -> None:
     backfill = instance.get_backfill(backfill_id)
     if backfill is not None and backfill.status == BulkActionStatus.REQUESTED:
         instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELING))
+        wake()  # the daemon terminates its runs now, not at its next look
 
 
 @dataclass

@@ -93,6 +93,7 @@ class _State(NamedTuple):
     queued: int
     finished: int
     backfills_active: int
+    backfills_canceling: int
     backfills_ever: int
 
 
@@ -104,11 +105,15 @@ def _state(instance: dg.DagsterInstance) -> _State:
     the in-flight count as it was, waited BUSY_POLL_SECONDS (a 2 x 10,000-row chain's first runs started
     15 s after they were queued). ``backfills_ever`` because one added as another completes leaves the
     active count as it was: `shardprep run` launches its unpartitioned assets' backfill just as its
-    shards' one ends, which waited as long."""
+    shards' one ends, which waited as long. ``backfills_canceling`` because a cancellation (REQUESTED ->
+    CANCELING) leaves the active count as it was too: the runs it is to terminate ran on to the end of their
+    step (a 20-image shard's download went on 10 s after `shardprep run`'s SIGTERM)."""
     return _State(in_flight=instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
                   queued=instance.get_runs_count(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED])),
                   finished=instance.get_runs_count(filters=dg.RunsFilter(statuses=FINISHED)),
                   backfills_active=instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)),
+                  backfills_canceling=instance.get_backfills_count(
+                      filters=BulkActionsFilter(statuses=[BulkActionStatus.CANCELING])),
                   backfills_ever=instance.get_backfills_count())
 
 
