@@ -27,6 +27,50 @@ def test_a_backfill_added_as_another_completes_changes_the_daemon_state():
         assert after != before
 
 
+
+def test_a_cancellation_changes_the_daemon_state():
+    # REQUESTED -> CANCELING leaves the active count as it was: the daemon then looked at the cancellation
+    # only when a run ended, and a SIGTERM'd `shardprep run`'s runs downloaded on to SUCCESS
+    with dg.instance_for_test() as instance:
+        backfill = _backfill("b")
+        instance.add_backfill(backfill)
+        before = _state(instance)
+        instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELING))
+        after = _state(instance)
+        assert before.backfills_active == after.backfills_active == 1
+        assert (before.backfills_canceling, after.backfills_canceling) == (0, 1)
+        assert after != before
+
+
+def test_opening_the_instance_imports_its_storage_before_the_lock(tmp_path):
+    # `shardprep run`'s CLI, daemon and code server open the instance together: what it imports (~490
+    # modules, 0.5 s) is imported before the lock (instance.STORAGE_MODULES), so none waits on another's
+    # imports; only a few small modules may be left for inside it
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures.configs import CHECKOUT
+
+    script = """
+import importlib, sys
+import dagster
+from shardprep_dagster.orchestration import instance
+for m in instance.STORAGE_MODULES:
+    importlib.import_module(m)
+before = set(sys.modules)
+with instance.home_lock(instance.dagster_home(), "instance"):
+    dagster.DagsterInstance.get()
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DAGSTER_HOME": str(tmp_path)},
+                         cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout
+    late = ast.literal_eval(out.strip().splitlines()[-1])
+    assert not [m for m in late if m.split(".")[0] in ("sqlalchemy", "alembic", "mako")], late
+    assert not [m for m in late if m.startswith("dagster._core.storage.")], late
+    assert len(late) < 60, late
+
 def test_a_run_enqueued_after_it_was_created_changes_the_daemon_state():
     # the backfill daemon creates a run (NOT_STARTED) and enqueues it ~1 s later, after its planned events:
     # a look in between saw the run in flight already, and the run-queue daemon, poked then, found nothing
