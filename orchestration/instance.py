@@ -83,15 +83,20 @@ STORAGE_MODULES = ("dagster._core.storage.sqlite_storage", "dagster._core.storag
                    "dagster._core.storage.migration.utils", "dagster._core.storage.root")
 
 
-def get_instance():
+def import_storage() -> None:
+    """Import what opening an instance imports (STORAGE_MODULES), the cyclic collector paused."""
     import importlib
 
-    import dagster as dg
-
-    home = dagster_home()
     with collector_paused():
         for module in STORAGE_MODULES:
             importlib.import_module(module)
+
+
+def get_instance():
+    import dagster as dg
+
+    home = dagster_home()
+    import_storage()
     # two processes creating a fresh SQLite instance at once race in its schema migration
     with home_lock(home, "instance"):
         instance = dg.DagsterInstance.get()

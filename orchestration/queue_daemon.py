@@ -32,7 +32,7 @@ from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 from shardprep.allocator import collector_paused
 from shardprep.storage import pid_alive
 from shardprep_dagster.orchestration import code_server, daemon_process
-from shardprep_dagster.orchestration.instance import dagster_home, get_instance
+from shardprep_dagster.orchestration.instance import dagster_home, get_instance, import_storage
 
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -225,6 +225,7 @@ def fork_code_server(lock_fd: int) -> CodeServer | None:
 
     with collector_paused():  # the code location: what the code server would import, once for both
         importlib.import_module(CODE_LOCATION)
+    import_storage()  # and what both import to open the instance (the code server's run workers too)
     if not run_workers.single_threaded():
         return None
     path = os.path.join(tempfile.gettempdir(), f"shardprep-code-{secrets.token_hex(6)}.sock")
