@@ -349,6 +349,8 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
             if not todo or stop.received() is not None:
                 break
             waited = _launch_shards(plan, instance, todo, summary, follower)
+            if not waited:  # none was someone else's: nothing to plan again (0.25 s between shards and globals)
+                break
             plan.replan(instance)
             todo = [s for s in waited if plan.todo[s]]
         summary.shards_settled = newest_materialization(instance, plan.shard_keys)
