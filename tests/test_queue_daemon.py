@@ -137,3 +137,32 @@ def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serv
                              "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     assert ours.wait(timeout=120) == 0
     assert open(daemon_process.lock_path(str(home))).read().strip() != ""
+
+
+def test_migration_scripts_are_loaded_once_a_process(tmp_path):
+    # Dagster asks Alembic for a fresh script directory at every revision check and stamp, which loaded
+    # all ~90 migration scripts each time: three times an instance open and once per run's SQLite event log
+    # (instance.cache_migration_scripts). After the first open, neither loads a migration script again
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures.configs import CHECKOUT
+
+    script = """
+import uuid
+import alembic.util
+import dagster
+from shardprep_dagster.orchestration.instance import get_instance
+get_instance()
+loaded = []
+load = alembic.util.load_python_file
+alembic.util.load_python_file = lambda d, f: loaded.append(f) or load(d, f)
+instance = dagster.DagsterInstance.get()
+with instance.event_log_storage.run_connection(str(uuid.uuid4())):  # a new run's own event log
+    pass
+print(sorted(set(loaded)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DAGSTER_HOME": str(tmp_path)},
+                         cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] in ("[]", "['env.py']"), out
