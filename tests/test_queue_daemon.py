@@ -13,33 +13,37 @@ def _backfill(backfill_id: str) -> PartitionBackfill:
                              tags={}, backfill_timestamp=time.time(), asset_selection=[dg.AssetKey("x")])
 
 
+def _states_around(change) -> tuple:
+    """The daemon's state before and after ``change(instance, backfill)`` of an instance with one active
+    backfill."""
+    with dg.instance_for_test() as instance:
+        backfill = _backfill("first")
+        instance.add_backfill(backfill)
+        before = _state(instance)
+        change(instance, backfill)
+        return before, _state(instance)
+
+
 def test_a_backfill_added_as_another_completes_changes_the_daemon_state():
     # `shardprep run` adds its unpartitioned assets' backfill right after its shards' one completes: the
     # active count is 1 before and after, and the daemon used to wait its busy poll (15 s) to notice
-    with dg.instance_for_test() as instance:
-        first = _backfill("first")
-        instance.add_backfill(first)
-        before = _state(instance)
+    def complete_and_add(instance, first):
         instance.update_backfill(first.with_status(BulkActionStatus.COMPLETED_SUCCESS))
         instance.add_backfill(_backfill("second"))
-        after = _state(instance)
-        assert before.backfills_active == after.backfills_active == 1
-        assert after != before
 
+    before, after = _states_around(complete_and_add)
+    assert before.backfills_active == after.backfills_active == 1
+    assert after != before
 
 
 def test_a_cancellation_changes_the_daemon_state():
     # REQUESTED -> CANCELING leaves the active count as it was: the daemon then looked at the cancellation
     # only when a run ended, and a SIGTERM'd `shardprep run`'s runs downloaded on to SUCCESS
-    with dg.instance_for_test() as instance:
-        backfill = _backfill("b")
-        instance.add_backfill(backfill)
-        before = _state(instance)
-        instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELING))
-        after = _state(instance)
-        assert before.backfills_active == after.backfills_active == 1
-        assert (before.backfills_canceling, after.backfills_canceling) == (0, 1)
-        assert after != before
+    before, after = _states_around(
+        lambda instance, backfill: instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELING)))
+    assert before.backfills_active == after.backfills_active == 1
+    assert (before.backfills_canceling, after.backfills_canceling) == (0, 1)
+    assert after != before
 
 
 def test_opening_the_instance_imports_its_storage_before_the_lock(tmp_path):
