@@ -220,7 +220,6 @@ def test_images_are_decoded_on_the_shards_decode_threads_at_most_decode_threads_
     real = shards.resize_image
 
     def watched(data, **kw):
-        nonlocal busy
         with lock:
             busy[0] += 1
             seen.append((threading.current_thread().name, busy[0]))
