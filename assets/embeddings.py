@@ -9,6 +9,7 @@ from shardprep.checks import check_clip_embeddings, check_reordered_embeddings
 from shardprep.embeddings import write_clip_embeddings
 from shardprep.ledger import load_ledger
 from shardprep.models import clip as clip_models
+from shardprep.models.devices import Device
 from shardprep.pixels import PixelPass
 from shardprep.reorder import reorder_embeddings
 from shardprep.storage import exists
@@ -25,7 +26,7 @@ from shardprep_dagster.resources.clip import ClipResource
 from shardprep_dagster.resources.dataset import DatasetResource
 
 
-def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str,
+def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: Device,
                 pixels: Callable[[str], PixelPass | None] | None = None) -> dict:
     """clip_embeddings' work on one shard with a loaded ``encoder`` on ``device`` (also run by
     ``assets.follow``). ``pixels(shard)``: the run's other pixel models to feed from the same decode of
@@ -35,7 +36,8 @@ def embed_shard(layout, cfg, clip: ClipResource, encoder, key: str, device: str,
     shared = pixels(key) if pixels is not None else None
     report = write_clip_embeddings(key, layout, encoder, batch_size=clip.effective_batch_size,
                                    enable_text=cfg.text_embeddings, pixels=shared)
-    meta = {"status": "written", "model": clip.spec, "device": device, "samples": report.samples, "dim": report.dim,
+    meta = {"status": "written", "model": clip.spec, "device": device.name,
+            "device_leased_at": round(device.leased_at, 3), "samples": report.samples, "dim": report.dim,
             "seconds": round(report.seconds, 3), "nan_count": report.nan_count,
             "images_per_second": round(report.samples / report.seconds, 1) if report.seconds else 0.0,
             "path": dg.MetadataValue.path(layout.img_emb(key)), "dagster/row_count": report.samples}
@@ -65,7 +67,7 @@ def clip_embeddings(context: dg.AssetExecutionContext, config: ShardRunConfig, d
         sharing = Sharing(context, dataset, device)
 
         def embed(key: str) -> dict:
-            return embed_shard(layout, cfg, clip, clip.encoder(device().torch_device), key, device().name,
+            return embed_shard(layout, cfg, clip, clip.encoder(device().torch_device), key, device(),
                                pixels=sharing.pass_for if sharing else None)
 
         result = materialize_shards(context, dataset, "clip_embeddings", embed, rebuild=config.rebuild,

@@ -76,7 +76,7 @@ def embedding(context: dg.AssetExecutionContext, dataset: DatasetResource, clip:
                     if not check_image_shard(layout, key).passed:
                         continue  # the blocking check fails: the clip step will not run on it either
                     result = write_one(layout, FOLLOWER, version, key,
-                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k, device.name,
+                                       lambda k: embed_shard(layout, dataset.config, clip, encoder, k, device,
                                                              pixels=sharing.pass_for if sharing else None),
                                        rebuild=rebuild)
                     if result["status"] != "cached":

@@ -31,8 +31,10 @@ def test_leases_are_distinct_and_wait_when_all_are_taken(three_devices):
         with pytest.raises(devices.DeviceError, match="came free"):
             with devices.lease(wait_seconds=0.3):
                 pass
+    before = time.time()
     with devices.lease("sim2") as d:
         assert d == devices.Device("sim2", "cpu")
+        assert before <= d.leased_at <= time.time()  # when it was taken, which shard figures carry
     with pytest.raises(devices.DeviceError, match="not on this machine"):
         with devices.lease("cuda:7"):
             pass

@@ -90,6 +90,18 @@ def embedding_work(instance: dg.DagsterInstance) -> dict[str, dict]:
     return out
 
 
+def lease_spans(work: dict[str, dict]) -> list[Step]:
+    """Each device lease that embedded shards, as ``Step(device, first shard, leased at, its last shard's
+    end)``: the lease was held at least that long."""
+    leases: dict[tuple[str, float], Step] = {}
+    for shard, w in sorted(work.items()):
+        key = (w["device"], w["device_leased_at"])
+        held = leases.get(key)
+        end = max(w["finished_at"], held.end if held else 0.0)
+        leases[key] = Step(w["device"], held.run_id if held else shard, w["device_leased_at"], end)
+    return sorted(leases.values(), key=lambda s: s.start)
+
+
 def _run_six_shards(config: str, tmp_path: Path, pool_limits: dict[str, int]) -> tuple:
     """`shardprep run` (queued, on a fresh instance with these pool limits) over ``slow_source``: every
     shard through every per-shard asset. Returns its summary and the instance's home."""
@@ -126,12 +138,17 @@ def test_downloads_overlap_embedding_and_gpu_work_leases_its_own_device(slow_sou
     spans = [Step(w["device"], k, w["started_at"], w["finished_at"]) for k, w in work.items()]
     assert any(d.overlaps(e) for d in downloads for e in spans), "no download overlapped an embedding"
     # GPU work: on a device leased for the download step it follows (or for the clip step), named in the
-    # run's tags; two runs downloading at once embed on two devices, never one
+    # run's tags. A lease held at least from its start to the end of its last shard; two leases of one
+    # device never overlap, and two runs downloading at once held two devices at once
     assert {s.asset for s in spans} <= {"sim0", "sim1", "sim2"}
     assert {device[s.run_id] for s in downloads} <= {"sim0", "sim1", "sim2"}
-    together = [(a, b) for a in downloads for b in downloads if a.run_id < b.run_id and a.overlaps(b)]
-    assert together, "no two runs downloaded (and embedded) at once: nothing was tested"
-    assert all(device[a.run_id] != device[b.run_id] for a, b in together)
+    leases = lease_spans(work)
+    assert len(leases) >= 3  # each run's follower took its own lease
+    pairs = [(a, b) for i, a in enumerate(leases) for b in leases[i + 1:]]
+    same = [(a, b) for a, b in pairs if a.asset == b.asset and a.overlaps(b)]
+    assert not same, f"two leases of one device at once: {same}"
+    assert any(a.overlaps(b) for a, b in pairs), \
+        f"no two devices were leased at once: nothing was tested ({leases})"
 
 
 def test_a_small_backfill_is_spread_over_the_download_slots(slower_source, tmp_path):

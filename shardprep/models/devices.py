@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from shardprep.errors import ShardprepError
 
@@ -34,6 +34,9 @@ class DeviceError(ShardprepError, RuntimeError):
 class Device:
     name: str  # what runs and metadata show: cuda:1, cpu, sim2
     torch_device: str  # what models are moved to: cuda:1 or cpu
+    # when ``lease`` took it (unix seconds; 0 when not leased): a shard's figures carry it, so one can tell
+    # which of a run's leases did the shard and check that two leases of one device never overlapped
+    leased_at: float = field(default=0.0, compare=False)
 
 
 def visible_devices() -> list[Device]:
@@ -101,7 +104,7 @@ def lease(requested: str = "auto", wait_seconds: float = 24 * 3600, poll_seconds
                 fh.close()
                 continue
             try:
-                yield device
+                yield replace(device, leased_at=time.time())
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
                 fh.close()
