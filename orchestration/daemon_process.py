@@ -25,6 +25,7 @@ import sys
 LOCK_NAME = ".shardprep-queue-daemon.lock"
 CODE_LOCATION = "shardprep_dagster.definitions"  # workspace.yaml's module_name
 LOCATION_NAME = "shardprep"
+GO = b"go\n"  # what `shardprep run` tells a daemon it started before checking the config (``wait_for_go``)
 
 _spawned: dict[str, subprocess.Popen] = {}  # instance root -> the private daemon this process started
 
@@ -53,13 +54,53 @@ def last_daemon_id(home: str) -> str | None:
     return dead_id
 
 
-def spawn(home: str) -> subprocess.Popen:
-    log = open(os.path.join(home, "shardprep_daemon.log"), "ab")
-    _spawned[home] = subprocess.Popen(
-        [sys.executable, "-m", "shardprep_dagster.orchestration.queue_daemon"], stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, env={**os.environ, "DAGSTER_HOME": home},
-        start_new_session=True)  # outlives this process: it finishes the runs it launched
+def log_path(home: str) -> str:
+    return os.path.join(home, "shardprep_daemon.log")
+
+
+def spawn(home: str, wait_for_go: bool = False) -> subprocess.Popen:
+    """The daemon of ``home``, in a session of its own: it outlives this process and finishes the runs it
+    launched. ``wait_for_go``: started before the config is checked, when ``home`` may not exist yet; it
+    imports, then waits for ``release`` (``wait_for_go`` below) before it touches ``home``."""
+    command = [sys.executable, "-m", "shardprep_dagster.orchestration.queue_daemon"]
+    env = {**os.environ, "DAGSTER_HOME": home}
+    if wait_for_go:
+        # no output before the go: this process's stdout may be a pipe its caller reads to the end
+        _spawned[home] = subprocess.Popen([*command, "--after-go"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    else:
+        with open(log_path(home), "ab") as log:
+            _spawned[home] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              env=env, start_new_session=True)
     return _spawned[home]
+
+
+def release(daemon: subprocess.Popen | None, go: bool) -> None:
+    """Let a daemon spawned ``wait_for_go`` serve its instance (``go``), or leave without touching it."""
+    if daemon is None or daemon.stdin is None or daemon.stdin.closed:
+        return
+    try:
+        if go:
+            daemon.stdin.write(GO)
+        daemon.stdin.close()
+    except OSError:  # it has gone already (launch.ensure_daemon starts another)
+        pass
+
+
+def wait_for_go() -> bool:
+    """In a daemon spawned ``wait_for_go``: True once its starter says go (its output then goes to the
+    instance's daemon log, which exists by then), False when the starter closed the pipe without it."""
+    line = sys.stdin.buffer.readline()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the pipe is not the code server's or the runs' to inherit
+    os.close(devnull)
+    if line != GO:
+        return False
+    log = os.open(log_path(os.environ["DAGSTER_HOME"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return True
 
 
 def code_location_dir() -> str:
@@ -68,8 +109,12 @@ def code_location_dir() -> str:
     return os.path.dirname(os.path.abspath(origin))
 
 
-def start_early(home: str) -> None:
+def start_early(home: str, wait_for_go: bool = False) -> subprocess.Popen | None:
     """Start the daemon unless one of ours already serves ``home`` (a dagster-daemon that does makes it
-    leave at once; one that is gone but left its lock free is replaced, as ``launch.ensure_daemon`` does)."""
-    if not running_here(home) and last_daemon_id(home) is not None:
-        spawn(home)
+    leave at once; one that is gone but left its lock free is replaced, as ``launch.ensure_daemon`` does).
+    A ``home`` not made yet has no daemon (``wait_for_go`` only: see ``spawn``). The daemon started, if any."""
+    if running_here(home):
+        return None
+    if (wait_for_go and not os.path.isdir(home)) or last_daemon_id(home) is not None:
+        return spawn(home, wait_for_go)
+    return None

@@ -45,11 +45,16 @@ POSTGRES_ENV_DEFAULTS = {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": "543
                          "DAGSTER_PG_PASSWORD": "", "DAGSTER_PG_DB": "test"}
 
 
+def dagster_home_path() -> Path:
+    """$DAGSTER_HOME, defaulting to ``<checkout>/.dagster_home``; nothing made."""
+    return Path(os.environ.get("DAGSTER_HOME") or CHECKOUT / ".dagster_home").resolve()
+
+
 def dagster_home() -> Path:
-    """$DAGSTER_HOME, defaulting to ``<checkout>/.dagster_home`` (created with the repo's dagster.yaml)."""
+    """``dagster_home_path()``, created with the repo's dagster.yaml."""
     for var, value in POSTGRES_ENV_DEFAULTS.items():
         os.environ.setdefault(var, value)
-    home = Path(os.environ.get("DAGSTER_HOME") or CHECKOUT / ".dagster_home").resolve()
+    home = dagster_home_path()
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
         shutil.copy(CHECKOUT / "dagster.yaml", home / "dagster.yaml")

@@ -392,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardprep_dagster.orchestration.queue_daemon", description=__doc__)
     parser.add_argument("--idle-seconds", type=float, default=20.0,
                         help="exit once no run has been queued or in progress this long")
+    parser.add_argument("--after-go", action="store_true",
+                        help="serve only once 'go' is read from stdin; leave if it closes first (`shardprep run` "
+                             "starts the daemon before it has checked the config)")
     args = parser.parse_args(argv)
+    if args.after_go and not daemon_process.wait_for_go():
+        return 0
     return serve(args.idle_seconds)
 
 

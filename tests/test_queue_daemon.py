@@ -143,6 +143,36 @@ def test_a_private_daemon_started_early_leaves_an_instance_a_dagster_daemon_serv
     assert open(daemon_process.lock_path(str(home))).read().strip() != ""
 
 
+def test_a_daemon_started_before_the_config_check_waits_for_the_go(tmp_path):
+    """`shardprep run` starts its daemon first thing, so the daemon's imports overlap the CLI's config check:
+    the daemon touches nothing before the CLI says go. Without it, it leaves and the instance's folder is
+    never made; given it, it logs to that folder and serves."""
+    import signal
+
+    from shardprep_dagster.orchestration import daemon_process
+    from tests.fixtures.live_dagster import prepare_home
+
+    home = tmp_path / "refused"
+    daemon = daemon_process.start_early(str(home), wait_for_go=True)
+    daemon_process.release(daemon, go=False)
+    assert daemon.wait(timeout=120) == 0
+    assert not home.exists()
+
+    home = prepare_home(tmp_path / "home")
+    daemon = daemon_process.start_early(str(home), wait_for_go=True)
+    assert daemon is not None and daemon_process.running_here(str(home))
+    daemon_process.release(daemon, go=True)
+    try:
+        deadline = time.time() + 120
+        while not open(daemon_process.lock_path(str(home))).read().strip() and time.time() < deadline:
+            time.sleep(0.1)
+        assert daemon_process.last_daemon_id(str(home)) is None  # it holds the lock: it serves
+        _code_server_of(home / "shardprep_daemon.log")  # and says so in the instance's daemon log
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+
+
 def test_migration_scripts_are_loaded_once_a_process(tmp_path):
     # Dagster asks Alembic for a fresh script directory at every revision check and stamp, which loaded
     # all ~90 migration scripts each time: three times an instance open and once per run's SQLite event log
