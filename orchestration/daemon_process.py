@@ -4,7 +4,9 @@ No Dagster import here: `shardprep run` starts the daemon first thing, before it
 and planning, so the daemon's imports overlap them instead of following them (the chain benchmark: the
 first run was enqueued 5.3-5.7 s after the command started, the daemon's first backfill pass coming 2.7 s
 after the CLI had launched its backfill; 4.2-4.8 s then). Whether an external dagster-daemon already
-serves the instance needs Dagster, so the daemon itself looks and leaves if one does.
+serves the instance needs Dagster, so the daemon itself looks and leaves if one does. The config is checked
+beside the daemon's imports too: the daemon waits for the CLI's go before it touches the instance, and
+leaves without one (``spawn``'s ``wait_for_go``), so a bad config makes no instance.
 
 The daemon's code server is a fork of the daemon (``queue_daemon.fork_code_server``), made once the daemon
 has imported the code location and before it starts a thread: Dagster's daemon would start one only once
