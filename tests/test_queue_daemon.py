@@ -147,6 +147,7 @@ def test_a_daemon_started_before_the_config_check_waits_for_the_go(tmp_path):
     """`shardprep run` starts its daemon first thing, so the daemon's imports overlap the CLI's config check:
     the daemon touches nothing before the CLI says go. Without it, it leaves and the instance's folder is
     never made; given it, it logs to that folder and serves."""
+    import os
     import signal
 
     from shardprep_dagster.orchestration import daemon_process
@@ -162,14 +163,17 @@ def test_a_daemon_started_before_the_config_check_waits_for_the_go(tmp_path):
     daemon = daemon_process.start_early(str(home), wait_for_go=True)
     assert daemon is not None and daemon_process.running_here(str(home))
     daemon_process.release(daemon, go=True)
+    code_server = None
     try:
         deadline = time.time() + 120
         while not open(daemon_process.lock_path(str(home))).read().strip() and time.time() < deadline:
             time.sleep(0.1)
         assert daemon_process.last_daemon_id(str(home)) is None  # it holds the lock: it serves
-        _code_server_of(home / "shardprep_daemon.log")  # and says so in the instance's daemon log
+        code_server = _code_server_of(home / "shardprep_daemon.log")[0]  # as its log in the instance says
     finally:
-        daemon.send_signal(signal.SIGTERM)
+        for pid in (daemon.pid, code_server):  # the code server would outlive a killed daemon by 20 s
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM)
         daemon.wait(timeout=60)
 
 
