@@ -23,6 +23,17 @@ download slots idle for 30 s of every 60). So that executor's next step claims a
 step of the run is waiting for one; the others claim after it (``_one_claim_at_a_time``). Executors that
 run steps side by side (multiprocess, Celery) claim as before.
 
+A step can also wait for ever with its pool's slot free: a lost wake-up in Dagster 1.13's SQL storage
+(``claim_concurrency_slot``). A step first asks whether the pool has a slot no step is assigned to, and
+then enters the queue (``pending_steps``), assigned at once if there was one; a step that frees its slot
+assigns the queue's head. When run B's step counts the slots while run A's still holds the last one, and A
+frees it (and finds the queue empty) before B's entry is written, B's entry is never assigned: the slot
+stays free and B's claims, which only look at their own entry, block for ever. Seen in the 2 x 10,000-row
+chain: the second shard's ``clip_embeddings`` blocked on the free ``gpu`` slot, the `shardprep run` hung.
+``_claim_slot`` repairs it where it shows: a step whose entry is unassigned while the pool has a free slot,
+on two of its claims in a row (a free in progress assigns within milliseconds; the claims are at least
+``FIRST_CLAIM_INTERVAL_SECONDS`` apart), assigns the queue's head as a free would, and claims again.
+
 Applied when the code location is loaded (``definitions``): every process that executes our steps (run
 workers, `shardprep run --in-process`, Celery workers) imports it.
 """
@@ -31,6 +42,7 @@ import time
 
 from dagster._core.execution.plan import active as _active
 from dagster._core.execution.plan import instance_concurrency_context as _icc
+from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
 FIRST_CLAIM_INTERVAL_SECONDS = 0.05
 MAX_CLAIM_INTERVAL_SECONDS = 2.0
@@ -73,8 +85,29 @@ def _next_step(self):
         context._one_claim_at_a_time = False
 
 
+_original_claim_slot = SqlEventLogStorage.claim_concurrency_slot
+
+
+def _claim_slot(self, concurrency_key: str, run_id: str, step_key: str, priority: int | None = None):
+    """``SqlEventLogStorage.claim_concurrency_slot``, and the lost wake-up's repair (module doc)."""
+    status = _original_claim_slot(self, concurrency_key, run_id, step_key, priority)
+    stuck = self.__dict__.setdefault("_shardprep_stuck_claims", set())
+    entry = (concurrency_key, run_id, step_key)
+    if status.is_claimed or status.is_assigned or status.enqueued_timestamp is None \
+            or not self.has_unassigned_slots(concurrency_key):
+        stuck.discard(entry)
+        return status
+    if entry not in stuck:  # perhaps a free in progress: look again at the next claim
+        stuck.add(entry)
+        return status
+    stuck.discard(entry)
+    self.assign_pending_steps([concurrency_key])  # what the free would have done: the queue's head
+    return _original_claim_slot(self, concurrency_key, run_id, step_key, priority)
+
+
 def apply() -> None:
     _icc.InstanceConcurrencyContext.interval_to_next_pending_claim_check = _interval_to_next_pending_claim_check
     _icc._calculate_timeout_interval = _capped_timeout_interval
     _icc.InstanceConcurrencyContext.claim = _claim
     _active.ActiveExecution.get_next_step = _next_step
+    SqlEventLogStorage.claim_concurrency_slot = _claim_slot

@@ -137,3 +137,78 @@ def test_a_waiting_step_looks_for_its_slot_soon_then_less_often():
     assert intervals[-1] == concurrency_wait.MAX_CLAIM_INTERVAL_SECONDS
     assert sum(intervals[:8]) < 3  # eight looks within the first 3 s of a wait
     assert concurrency_wait._capped_timeout_interval(0.7, 3) == 0.7
+
+
+def _lose_a_wake_up(storage, pool: str, run_id: str, step_key: str) -> None:
+    """The interleaving that strands a step: its claim counts the pool's slots while another run's step holds
+    the last one (none unassigned), that step frees it and finds the queue empty, then the entry is written
+    unassigned (``SqlEventLogStorage.claim_concurrency_slot``, its steps one by one)."""
+    storage.set_concurrency_slots(pool, 1)
+    assert storage.claim_concurrency_slot(pool, "another-run", "its-step").is_claimed
+    assert not storage.has_unassigned_slots(pool)  # B counts: no slot free
+    storage.free_concurrency_slot_for_step("another-run", "its-step")  # A frees; no one queued yet
+    storage.add_pending_step(concurrency_key=pool, run_id=run_id, step_key=step_key, should_assign=False)
+    info = storage.get_concurrency_info(pool)
+    assert not info.claimed_slots and [p.assigned_timestamp for p in info.pending_steps] == [None]
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["ours", "dagster-1.13"])
+def test_a_step_whose_wake_up_was_lost_claims_the_free_slot(monkeypatch, fixed):
+    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+
+    if fixed:
+        concurrency_wait.apply()
+    else:
+        monkeypatch.setattr(SqlEventLogStorage, "claim_concurrency_slot", concurrency_wait._original_claim_slot)
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        _lose_a_wake_up(storage, "gpu", "run-b", "clip_embeddings")
+        claims = [storage.claim_concurrency_slot("gpu", "run-b", "clip_embeddings").is_claimed for _ in range(3)]
+        info = storage.get_concurrency_info("gpu")
+    if fixed:  # the first claim looks again later (a free may be half done); the second repairs and claims
+        assert claims == [False, True, True]
+        assert [(s.run_id, s.step_key) for s in info.claimed_slots] == [("run-b", "clip_embeddings")]
+    else:  # Dagster's own claims never see the free slot (the test can fail)
+        assert claims == [False, False, False] and not info.claimed_slots
+
+
+def test_a_queued_step_is_not_assigned_past_the_pool_limit():
+    """The repair assigns only while a slot is free: with the slot held, a queued step keeps waiting, and
+    once it is freed the usual free -> assign hands it over (no step is assigned twice)."""
+    concurrency_wait.apply()
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", "run-a", "clip_embeddings").is_claimed
+        assert not any(storage.claim_concurrency_slot("gpu", "run-b", "clip_embeddings").is_claimed for _ in range(4))
+        info = storage.get_concurrency_info("gpu")
+        assert [p.assigned_timestamp is None for p in info.pending_steps if p.run_id == "run-b"] == [True]
+        storage.free_concurrency_slot_for_step("run-a", "clip_embeddings")
+        assert storage.claim_concurrency_slot("gpu", "run-b", "clip_embeddings").is_claimed
+
+
+def test_a_run_stranded_by_a_lost_wake_up_finishes():
+    """End to end: a run whose ``gpu`` step entered the queue in the lost wake-up's state runs it and
+    succeeds (with Dagster's own claims it waited for ever: the chain benchmark's hang)."""
+    from dagster._core.definitions.job_base import InMemoryJob
+    from dagster._core.execution.api import execute_run
+
+    concurrency_wait.apply()
+
+    @dg.op(pool="gpu")
+    def embed() -> int:
+        return 1
+
+    @dg.job(executor_def=dg.in_process_executor)  # our runs' executor
+    def shard():
+        embed()
+
+    with dg.instance_for_test() as instance:
+        run = instance.create_run_for_job(shard)
+        _lose_a_wake_up(instance.event_log_storage, "gpu", run.run_id, "embed")
+        outcome = {}
+        runner = threading.Thread(target=lambda: outcome.update(result=execute_run(InMemoryJob(shard), run, instance)))
+        runner.start()
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "the run still waits for the free gpu slot"
+        assert outcome["result"].success

@@ -186,3 +186,26 @@ def test_processes_starting_together_set_pool_limits_once(tmp_path, pg_database,
     finally:
         for instance in instances:
             instance.dispose()
+
+
+def test_a_lost_pool_wake_up_is_repaired_on_postgres(tmp_path, pg_database, monkeypatch):
+    """The lost wake-up of Dagster's pool queue (``resources.concurrency_wait``) on the production storage: a
+    step queued unassigned while the slot is free claims it on its second claim."""
+    from shardprep_dagster.resources import concurrency_wait
+    from tests.test_concurrency_wait import _lose_a_wake_up
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(CHECKOUT / "dagster.postgres.yaml", home / "dagster.yaml")
+    for var, value in {**pg_env(), "DAGSTER_PG_DB": pg_database, "DAGSTER_HOME": str(home)}.items():
+        monkeypatch.setenv(var, value)
+    concurrency_wait.apply()
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        storage = instance.event_log_storage
+        assert type(storage).__name__ == "PostgresEventLogStorage"
+        _lose_a_wake_up(storage, "gpu", "run-b", "clip_embeddings")
+        assert [storage.claim_concurrency_slot("gpu", "run-b", "clip_embeddings").is_claimed
+                for _ in range(2)] == [False, True]
+    finally:
+        instance.dispose()
