@@ -1,0 +1,242 @@
+"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): two experiments,
+not part of `make bench` (their findings are in bench/IMAGES.md).
+
+    python bench/experiments/engine_overheads.py split [--reps 2]
+    python bench/experiments/engine_overheads.py event-loop [--reps 3]
+
+Both use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
+its own process, and write under ``bench/work/experiments``.
+
+``split``: in one warm process, CPU milliseconds per successful image of (a) ``resize_image`` (the engine's
+decode/resize/encode, ``fast_decode``) over the shard's images read into memory, on one thread; (b) the
+same on two threads (the GIL shared, both cores busy); (c) ``write_image_shard`` on the 10,000 rows over
+HTTP. (c) - (b) is what the engine spends beyond that work: HTTP, sha256, EXIF, the writer, the threads.
+
+``event-loop``: the question whether taking the downloads off 32 threads saves CPU. A prototype fetches
+every URL on one ``selectors`` thread (plain HTTP/1.1 keep-alive to the one bench host; nothing of
+``fetch``'s guard, redirects, robots or limits) and hands the bodies to the engine's decode threads,
+sha256 included there; the other side is the engine as it is, robots.txt off on both. Sides alternate;
+each line is one shard, its process's CPU and context switches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import resource
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from urllib.parse import urlsplit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH]
+WORK = os.path.join(BENCH, "work", "experiments")
+ROWS = 10_000
+
+
+def _config(out: str, **extra):
+    from shardprep.config import config_from_dict
+
+    return config_from_dict({"source": os.path.join(WORK, "urls.parquet"), "output_root": out, "url_col": "url",
+                             "caption_col": "caption", "save_additional_columns": ["source_id"],
+                             "samples_per_shard": ROWS, "image_size": 256, "resize_mode": "border",
+                             "encode_quality": 95, "thread_count": 32, "timeout": 10,
+                             "allow_private_addresses": True, **extra})
+
+
+def _write_shard(cfg):
+    from shardprep.images.shards import write_image_shard
+    from shardprep.layout import Layout
+    from shardprep.sources import read_rows
+
+    shutil.rmtree(cfg.output_root, ignore_errors=True)
+    return write_image_shard(read_rows(cfg.source, 0, ROWS), 0, cfg, Layout(cfg.output_root))
+
+
+# ------------------------------------------------------------------------------------------------ split
+
+
+def split(base_url: str, reps: int) -> None:
+    import pyarrow.parquet as pq
+
+    from shardprep.images.resize import resize_image
+
+    prefix = base_url + "/images/"
+    files: dict[str, bytes] = {}
+    datas = []
+    for u in pq.read_table(os.path.join(WORK, "urls.parquet"), columns=["url"]).column("url").to_pylist():
+        if u.startswith(prefix):
+            path = os.path.join(WORK, "site", "images", u[len(prefix):])
+            if path not in files:
+                with open(path, "rb") as f:
+                    files[path] = f.read()
+            datas.append(files[path])
+    kw = dict(image_size=256, resize_mode="border", encode_quality=95, fast_decode=True)
+
+    def loop(threads: int) -> float:
+        def part(ds):
+            for d in ds:
+                resize_image(d, **kw)
+        c = time.process_time()
+        workers = [threading.Thread(target=part, args=(datas[i::threads],)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return 1000 * (time.process_time() - c) / len(datas)
+
+    cfg = _config(os.path.join(WORK, "split-out"))
+
+    def engine() -> float:
+        c = time.process_time()
+        r = _write_shard(cfg)
+        return 1000 * (time.process_time() - c) / r.successes
+
+    engine()  # warm: imports, torch, the server's page cache
+    for _ in range(reps):
+        print(json.dumps({"ms_per_image": {"one_thread": round(loop(1), 3), "two_threads": round(loop(2), 3),
+                                           "engine": round(engine(), 3), "two_threads_again": round(loop(2), 3),
+                                           "one_thread_again": round(loop(1), 3)}}), flush=True)
+
+
+# ------------------------------------------------------------------------------------------- event loop
+
+_HEAD_END = re.compile(rb"\r\n\r\n")
+_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
+
+
+def _loop_downloads(work, items, threads, pool, shard):
+    """Stands in for ``shards.shard_downloads``: the outcomes in row order, every download on one thread."""
+    from shardprep.images.shards import _Outcome
+
+    decode = work.keywords["decode"]  # the engine's decoder.submit
+    items = list(items)
+    futures = [Future() for _ in items]
+    host = urlsplit(items[0])
+    rows = iter(range(len(items)))
+
+    def connect(sel, conn) -> None:
+        sock = socket.create_connection((host.hostname, host.port))
+        sock.setblocking(False)
+        conn["sock"] = sock
+        sel.register(sock, selectors.EVENT_READ, conn)
+
+    def ask(sel, conn) -> None:
+        i = next(rows, None)
+        if i is None:
+            sel.unregister(conn["sock"])
+            conn["sock"].close()
+            return
+        u = urlsplit(items[i])
+        conn.update(i=i, buf=bytearray(), end=None, head=None)
+        conn["sock"].sendall(f"GET {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nAccept-Encoding: identity\r\n\r\n"
+                             .encode())
+
+    def run() -> None:
+        sel = selectors.DefaultSelector()
+        for _ in range(threads):
+            conn: dict = {}
+            connect(sel, conn)
+            ask(sel, conn)
+        while sel.get_map():
+            for key, _ in sel.select(1.0):
+                conn = key.data
+                try:
+                    data = conn["sock"].recv(1 << 20)
+                except BlockingIOError:
+                    continue
+                conn["buf"] += data
+                if conn["head"] is None:
+                    m = _HEAD_END.search(conn["buf"])
+                    if not m:
+                        continue
+                    conn["head"] = bytes(conn["buf"][:m.end()])
+                    conn["end"] = m.end() + int(_LENGTH.search(conn["head"]).group(1))
+                if len(conn["buf"]) < conn["end"]:
+                    continue
+                status = int(conn["head"].split(None, 2)[1])
+                body = bytes(conn["buf"][len(conn["head"]):conn["end"]])
+                futures[conn["i"]].set_result(decode(body, None) if status == 200 else
+                                              _Outcome("failed_to_download", f"HTTP Error {status}"))
+                if b"\r\nconnection: close" in conn["head"].lower():  # the server's 404s
+                    sel.unregister(conn["sock"])
+                    conn["sock"].close()
+                    connect(sel, conn)
+                ask(sel, conn)
+
+    threading.Thread(target=run, daemon=True).start()
+    for f in futures:
+        yield f.result()
+
+
+def one_shard(side: str) -> None:
+    """One shard in this (fresh) process; prints its CPU and context switches."""
+    from shardprep.images import shards as S
+
+    if side == "event-loop":
+        decode = S._decode
+
+        def hash_then_decode(data, digest, **kw):  # the engine's sha256, moved off the (absent) download threads
+            return decode(data, hashlib.sha256(data).hexdigest(), **kw)
+
+        S._decode = hash_then_decode
+        S.shard_downloads = _loop_downloads
+    t0 = time.perf_counter()
+    r = _write_shard(_config(os.path.join(WORK, f"{side}-out"), respect_robots_txt=False))
+    cpu = time.process_time()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"side": side, "successes": r.successes, "wall": round(time.perf_counter() - t0, 1),
+                      "cpu": round(cpu, 2), "per_cpu_second": round(r.successes / cpu, 1),
+                      "voluntary_switches": ru.ru_nvcsw, "involuntary_switches": ru.ru_nivcsw}), flush=True)
+
+
+def event_loop(reps: int) -> None:
+    for rep in range(reps):
+        sides = ["threads", "event-loop"] if rep % 2 == 0 else ["event-loop", "threads"]
+        for side in sides:
+            subprocess.run([sys.executable, __file__, "one-shard", side], check=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _site() -> tuple[object, str]:
+    from source import Server, make_site, make_url_parquet
+
+    site = make_site(os.path.join(WORK, "site"), 240)
+    server = Server(os.path.join(WORK, "site"))
+    make_url_parquet(os.path.join(WORK, "urls.parquet"), server.url, site, ROWS)
+    return server, server.url
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("split", "event-loop", "one-shard"))
+    p.add_argument("side", nargs="?")
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args()
+    if a.what == "one-shard":
+        one_shard(a.side)
+        return
+    os.chdir(ROOT)  # the server's process imports tests.fixtures from here
+    os.makedirs(WORK, exist_ok=True)
+    server, url = _site()
+    try:
+        split(url, a.reps) if a.what == "split" else event_loop(a.reps)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
