@@ -233,7 +233,10 @@ def main() -> None:
     os.makedirs(WORK, exist_ok=True)
     server, url = _site()
     try:
-        split(url, a.reps) if a.what == "split" else event_loop(a.reps)
+        if a.what == "split":
+            split(url, a.reps)
+        else:
+            event_loop(a.reps)
     finally:
         server.close()
 
