@@ -47,8 +47,9 @@ demo: setup
 	$(PY) -m demo.run_demo
 
 # Two test processes, a file each at a time: most long tests wait on subprocesses, servers and daemons.
+# The 25 slowest tests are listed at the end (CI logs: where the suite's time goes on a slower machine).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 bench: setup
 	$(PY) bench/run.py

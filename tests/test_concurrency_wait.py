@@ -40,14 +40,20 @@ def test_a_step_waiting_for_a_pool_slot_sleeps_instead_of_spinning(monkeypatch, 
         outcome = {}
         runner = threading.Thread(target=lambda: outcome.update(result=downloads.execute_in_process(instance=instance)))
         runner.start()
+        # measured from the moment the step waits in the pool's queue: the run's own start (plan, events)
+        # costs CPU too, and more of it on a slower machine, which has nothing to do with how it waits
+        deadline = time.monotonic() + 60
+        while storage.get_concurrency_info("download").pending_step_count < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waiting_from = _thread_cpu(runner)
         time.sleep(3.0)
-        busy = _thread_cpu(runner)
+        busy = _thread_cpu(runner) - waiting_from
         assert runner.is_alive()  # still waiting for the slot
         storage.free_concurrency_slot_for_step("another-run", "its-step")
         runner.join(timeout=60)
         assert not runner.is_alive() and outcome["result"].success
-    if fixed:
-        assert busy < 0.5, f"the waiting run used {busy:.2f} CPU-seconds in 3 s"
+    if fixed:  # ~0.2 here, the claims' step-up from 0.05 s to 2 s included; Dagster's own spin: a whole core
+        assert busy < 0.75, f"the waiting run used {busy:.2f} CPU-seconds in 3 s"
     else:
         assert busy > 1.0, f"Dagster's own loop used only {busy:.2f} CPU-seconds in 3 s: the fix may be moot"
 
