@@ -3,6 +3,7 @@ not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
+    python bench/experiments/engine_overheads.py downscale
 
 Both use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
 its own process, and write under ``bench/work/experiments``.
@@ -17,6 +18,12 @@ every URL on one ``selectors`` thread (plain HTTP/1.1 keep-alive to the one benc
 ``fetch``'s guard, redirects, robots or limits) and hands the bodies to the engine's decode threads,
 sha256 included there; the other side is the engine as it is, robots.txt off on both. Sides alternate;
 each line is one shard, its process's CPU and context switches.
+
+``downscale``: whether a downscale without torch (whose import costs a download process 1.15-1.4 CPU-s) is
+as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's images that are
+downscaled by 1.5x or more, first reduced as the engine's DCT-scaled decode would (to the largest 1/2^k
+that keeps 1.5x the target), through each candidate on one thread: CPU ms an image, and PSNR against
+torch's kernel and against OpenCV's area resize (img2dataset's).
 """
 
 from __future__ import annotations
@@ -220,9 +227,64 @@ def _site() -> tuple[object, str]:
     return server, server.url
 
 
+def downscale() -> None:
+    import glob
+
+    import cv2
+    import numpy as np
+
+    from shardprep.images.resize import DRAFT_GAP, _antialiased
+
+    cv2.setNumThreads(1)
+    size, images = 256, []
+    for path in sorted(glob.glob(os.path.join(WORK, "site", "images", "*.jpg"))):
+        img = cv2.imread(path)
+        height, width = img.shape[:2]
+        if max(height, width) < DRAFT_GAP * size:
+            continue
+        r = 1
+        while max(height, width) / (2 * r) >= DRAFT_GAP * size and r < 8:
+            r *= 2
+        if r > 1:  # the DCT-scaled decode's size, reached here by an area resize
+            img = cv2.resize(img, (-(-width // r), -(-height // r)), interpolation=cv2.INTER_AREA)
+        scale = size / max(img.shape[:2])
+        images.append((img, max(1, round(img.shape[1] * scale)), max(1, round(img.shape[0] * scale))))
+
+    def area(img, w, h):
+        return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
+
+    def integer_area_then_bilinear(img, w, h):
+        k = img.shape[1] // w
+        if k >= 2:
+            img = cv2.resize(img, (img.shape[1] // k, img.shape[0] // k), interpolation=cv2.INTER_AREA)
+        return cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
+
+    def box_blurs_then_bilinear(img, w, h):
+        k = max(1, round(img.shape[1] / w))
+        if k > 1:
+            img = cv2.blur(cv2.blur(img, (k, k)), (k, k))
+        return cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
+
+    def psnr(a, b) -> float:
+        mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+        return 99.0 if mse == 0 else float(10 * np.log10(255 ** 2 / mse))
+
+    torch_out = [_antialiased(*x) for x in images]  # (torch imported here, outside the timing)
+    area_out = [area(*x) for x in images]
+    for fn in (_antialiased, area, integer_area_then_bilinear, box_blurs_then_bilinear):
+        t = time.process_time()
+        out = [fn(*x) for x in images]
+        ms = (time.process_time() - t) / len(images) * 1e3
+        vs_torch = [psnr(o, r) for o, r in zip(out, torch_out)]
+        vs_area = [psnr(o, r) for o, r in zip(out, area_out)]
+        print(json.dumps({"downscale": fn.__name__, "images": len(images), "ms_per_image": round(ms, 3),
+                          "psnr_vs_torch": [round(min(vs_torch), 1), round(float(np.median(vs_torch)), 1)],
+                          "psnr_vs_area": [round(min(vs_area), 1), round(float(np.median(vs_area)), 1)]}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("split", "event-loop", "one-shard"))
+    p.add_argument("what", choices=("split", "event-loop", "downscale", "one-shard"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
     a = p.parse_args()
@@ -235,6 +297,8 @@ def main() -> None:
     try:
         if a.what == "split":
             split(url, a.reps)
+        elif a.what == "downscale":
+            downscale()
         else:
             event_loop(a.reps)
     finally:
