@@ -45,6 +45,7 @@ def test_a_step_waiting_for_a_pool_slot_sleeps_instead_of_spinning(monkeypatch, 
         deadline = time.monotonic() + 60
         while storage.get_concurrency_info("download").pending_step_count < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert storage.get_concurrency_info("download").pending_step_count == 1, "the step never queued for the slot"
         waiting_from = _thread_cpu(runner)
         time.sleep(3.0)
         busy = _thread_cpu(runner) - waiting_from
