@@ -1,11 +1,11 @@
-"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): two experiments,
+"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): three experiments,
 not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
     python bench/experiments/engine_overheads.py downscale
 
-Both use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
+All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
 its own process, and write under ``bench/work/experiments``.
 
 ``split``: in one warm process, CPU milliseconds per successful image of (a) ``resize_image`` (the engine's
@@ -20,10 +20,10 @@ sha256 included there; the other side is the engine as it is, robots.txt off on 
 each line is one shard, its process's CPU and context switches.
 
 ``downscale``: whether a downscale without torch (whose import costs a download process 1.15-1.4 CPU-s) is
-as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's images that are
-downscaled by 1.5x or more, first reduced as the engine's DCT-scaled decode would (to the largest 1/2^k
-that keeps 1.5x the target), through each candidate on one thread: CPU ms an image, and PSNR against
-torch's kernel and against OpenCV's area resize (img2dataset's).
+as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's JPEGs that are
+downscaled, as the engine hands them to its downscale (``resize._plan_reduction``'s DCT-scaled decode,
+the target size from the original's), through each candidate on one thread: CPU ms an image, and PSNR
+against torch's kernel and against OpenCV's area resize (img2dataset's filter).
 """
 
 from __future__ import annotations
@@ -233,22 +233,21 @@ def downscale() -> None:
     import cv2
     import numpy as np
 
-    from shardprep.images.resize import DRAFT_GAP, _antialiased
+    from shardprep.images.resize import _antialiased, _decode_jpeg, _header, _plan_reduction, _target
 
     cv2.setNumThreads(1)
     size, images = 256, []
     for path in sorted(glob.glob(os.path.join(WORK, "site", "images", "*.jpg"))):
-        img = cv2.imread(path)
-        height, width = img.shape[:2]
-        if max(height, width) < DRAFT_GAP * size:
-            continue
-        r = 1
-        while max(height, width) / (2 * r) >= DRAFT_GAP * size and r < 8:
-            r *= 2
-        if r > 1:  # the DCT-scaled decode's size, reached here by an area resize
-            img = cv2.resize(img, (-(-width // r), -(-height // r)), interpolation=cv2.INTER_AREA)
-        scale = size / max(img.shape[:2])
-        images.append((img, max(1, round(img.shape[1] * scale)), max(1, round(img.shape[0] * scale))))
+        with open(path, "rb") as f:
+            data = f.read()
+        (width, height), fmt, mode = _header(data)
+        if max(width, height) <= size:
+            continue  # not downscaled
+        # what the engine hands its downscale (border mode): the DCT-scaled decode, the original's target size
+        img = _decode_jpeg(data, *_plan_reduction((width, height), fmt, mode, "border", size))
+        if img is not None:
+            new_h, new_w = _target(height, width, size / max(width, height))
+            images.append((img, new_w, new_h))
 
     def area(img, w, h):
         return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
