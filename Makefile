@@ -47,9 +47,10 @@ demo: setup
 	$(PY) -m demo.run_demo
 
 # Two test processes, a file each at a time: most long tests wait on subprocesses, servers and daemons.
+# Files go out in tests/conftest.py's order, the longest first (SLOW_FIRST), not xdist's (most tests first).
 # The 25 slowest tests are listed at the end (CI logs: where the suite's time goes on a slower machine).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: setup
 	$(PY) bench/run.py
