@@ -1,8 +1,9 @@
-"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): three experiments,
+"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): four experiments,
 not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
+    python bench/experiments/engine_overheads.py pair [--reps 3]
     python bench/experiments/engine_overheads.py downscale
 
 All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
@@ -18,6 +19,11 @@ every URL on one ``selectors`` thread (plain HTTP/1.1 keep-alive to the one benc
 ``fetch``'s guard, redirects, robots or limits) and hands the bodies to the engine's decode threads,
 sha256 included there; the other side is the engine as it is, robots.txt off on both. Sides alternate;
 each line is one shard, its process's CPU and context switches.
+
+``pair``: the same two sides in the images pair's own configuration (``drivers.images_ours``: 20,000 rows,
+two processes forked from a light parent, one 10,000-row shard each, both cores busy), each run set against
+the limit loop (``limits.images_limit``) measured right before and right after it: the share of the limit the
+bench reports, robots.txt off on both sides.
 
 ``downscale``: whether a downscale without torch (whose import costs a download process 1.15-1.4 CPU-s) is
 as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's JPEGs that are
@@ -187,18 +193,23 @@ def _loop_downloads(work, items, threads, pool, shard):
         yield f.result()
 
 
-def one_shard(side: str) -> None:
-    """One shard in this (fresh) process; prints its CPU and context switches."""
+def _use_event_loop() -> None:
+    """Swap the prototype in for this process's engine."""
     from shardprep.images import shards as S
 
+    decode = S._decode
+
+    def hash_then_decode(data, digest, **kw):  # the engine's sha256, moved off the (absent) download threads
+        return decode(data, hashlib.sha256(data).hexdigest(), **kw)
+
+    S._decode = hash_then_decode
+    S.shard_downloads = _loop_downloads
+
+
+def one_shard(side: str) -> None:
+    """One shard in this (fresh) process; prints its CPU and context switches."""
     if side == "event-loop":
-        decode = S._decode
-
-        def hash_then_decode(data, digest, **kw):  # the engine's sha256, moved off the (absent) download threads
-            return decode(data, hashlib.sha256(data).hexdigest(), **kw)
-
-        S._decode = hash_then_decode
-        S.shard_downloads = _loop_downloads
+        _use_event_loop()
     t0 = time.perf_counter()
     r = _write_shard(_config(os.path.join(WORK, f"{side}-out"), respect_robots_txt=False))
     cpu = time.process_time()
@@ -215,16 +226,79 @@ def event_loop(reps: int) -> None:
             subprocess.run([sys.executable, __file__, "one-shard", side], check=True)
 
 
+# ------------------------------------------------------------------------------------ the pair's configuration
+
+PAIR_ROWS = 20_000  # the images pair's source: 2 shards of 10,000 rows, one per process
+
+
+def _pair_shard(args) -> dict:
+    """``drivers._ours_shard`` in a worker of the pair's pool, with the prototype swapped in when asked."""
+    side, job = args
+    if side == "event-loop":
+        _use_event_loop()
+    from drivers import _ours_shard
+
+    return _ours_shard(job)
+
+
+def pair_side(side: str) -> None:
+    """The images pair's side of ours as ``drivers.images_ours`` runs it (two processes forked from a parent
+    that imported nothing heavy, one 10,000-row shard each); prints the successes and the CPU seconds of the
+    whole process tree."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    cfg = {"source": os.path.join(WORK, "pair-urls.parquet"), "output_root": os.path.join(WORK, f"pair-{side}"),
+           "url_col": "url", "caption_col": "caption", "save_additional_columns": ["source_id"],
+           "samples_per_shard": ROWS, "image_size": 256, "resize_mode": "border", "encode_quality": 95,
+           "thread_count": 32, "timeout": 10, "allow_private_addresses": True, "respect_robots_txt": False}
+    shutil.rmtree(cfg["output_root"], ignore_errors=True)
+    jobs = [(side, (cfg["source"], off, ROWS, k, cfg)) for k, off in enumerate(range(0, PAIR_ROWS, ROWS))]
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        successes = sum(r["successes"] for r in pool.map(_pair_shard, jobs))
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    print(json.dumps({"successes": successes, "cpu": cpu}), flush=True)
+
+
+def pair(base_url: str, site: dict, reps: int) -> None:
+    """``threads`` (the engine) against ``event-loop`` (the prototype) in the pair's own configuration, each
+    run set against the limit loop (``limits.images_limit``) measured right before and right after it."""
+    import statistics
+
+    from limits import images_limit
+    from source import make_url_parquet
+
+    make_url_parquet(os.path.join(WORK, "pair-urls.parquet"), base_url, site, PAIR_ROWS)
+    limit_settings = {"parquet": os.path.join(WORK, "pair-urls.parquet"), "base_url": base_url,
+                      "site_dir": os.path.join(WORK, "site"), "image_size": 256, "resize_mode": "border",
+                      "encode_quality": 95, "processes": 2}
+    shares: dict[str, list[float]] = {"threads": [], "event-loop": []}
+    for rep in range(reps):
+        for side in (["threads", "event-loop"] if rep % 2 == 0 else ["event-loop", "threads"]):
+            before = images_limit(limit_settings)["per_cpu_second"]
+            out = subprocess.run([sys.executable, __file__, "pair-side", side], check=True, capture_output=True,
+                                 text=True).stdout
+            run = json.loads(out.strip().splitlines()[-1])
+            after = images_limit(limit_settings)["per_cpu_second"]
+            rate = run["successes"] / run["cpu"]
+            shares[side].append(rate / ((before + after) / 2))
+            print(json.dumps({"side": side, "successes": run["successes"], "cpu": round(run["cpu"], 1),
+                              "per_cpu_second": round(rate, 1), "limit": [round(before, 1), round(after, 1)],
+                              "share_of_limit": round(shares[side][-1], 3)}), flush=True)
+    print(json.dumps({side: round(statistics.median(v), 3) for side, v in shares.items()}), flush=True)
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _site() -> tuple[object, str]:
+def _site() -> tuple[object, str, dict]:
     from source import Server, make_site, make_url_parquet
 
     site = make_site(os.path.join(WORK, "site"), 240)
     server = Server(os.path.join(WORK, "site"))
     make_url_parquet(os.path.join(WORK, "urls.parquet"), server.url, site, ROWS)
-    return server, server.url
+    return server, server.url, site
 
 
 def downscale() -> None:
@@ -283,21 +357,26 @@ def downscale() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("split", "event-loop", "downscale", "one-shard"))
+    p.add_argument("what", choices=("split", "event-loop", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
     a = p.parse_args()
     if a.what == "one-shard":
         one_shard(a.side)
         return
+    if a.what == "pair-side":
+        pair_side(a.side)
+        return
     os.chdir(ROOT)  # the server's process imports tests.fixtures from here
     os.makedirs(WORK, exist_ok=True)
-    server, url = _site()
+    server, url, site = _site()
     try:
         if a.what == "split":
             split(url, a.reps)
         elif a.what == "downscale":
             downscale()
+        elif a.what == "pair":
+            pair(url, site, a.reps)
         else:
             event_loop(a.reps)
     finally:
