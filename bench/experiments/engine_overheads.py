@@ -58,14 +58,18 @@ WORK = os.path.join(BENCH, "work", "experiments")
 ROWS = 10_000
 
 
+def _settings(out: str, **extra) -> dict:
+    """The experiments' dataset settings (the images pair's), writing under ``out``."""
+    return {"source": os.path.join(WORK, "urls.parquet"), "output_root": out, "url_col": "url",
+            "caption_col": "caption", "save_additional_columns": ["source_id"], "samples_per_shard": ROWS,
+            "image_size": 256, "resize_mode": "border", "encode_quality": 95, "thread_count": 32, "timeout": 10,
+            "allow_private_addresses": True, **extra}
+
+
 def _config(out: str, **extra):
     from shardprep.config import config_from_dict
 
-    return config_from_dict({"source": os.path.join(WORK, "urls.parquet"), "output_root": out, "url_col": "url",
-                             "caption_col": "caption", "save_additional_columns": ["source_id"],
-                             "samples_per_shard": ROWS, "image_size": 256, "resize_mode": "border",
-                             "encode_quality": 95, "thread_count": 32, "timeout": 10,
-                             "allow_private_addresses": True, **extra})
+    return config_from_dict(_settings(out, **extra))
 
 
 def _write_shard(cfg):
@@ -248,10 +252,8 @@ def pair_side(side: str) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    cfg = {"source": os.path.join(WORK, "pair-urls.parquet"), "output_root": os.path.join(WORK, f"pair-{side}"),
-           "url_col": "url", "caption_col": "caption", "save_additional_columns": ["source_id"],
-           "samples_per_shard": ROWS, "image_size": 256, "resize_mode": "border", "encode_quality": 95,
-           "thread_count": 32, "timeout": 10, "allow_private_addresses": True, "respect_robots_txt": False}
+    cfg = _settings(os.path.join(WORK, f"pair-{side}"), source=os.path.join(WORK, "pair-urls.parquet"),
+                    respect_robots_txt=False)
     shutil.rmtree(cfg["output_root"], ignore_errors=True)
     jobs = [(side, (cfg["source"], off, ROWS, k, cfg)) for k, off in enumerate(range(0, PAIR_ROWS, ROWS))]
     with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
