@@ -3,7 +3,7 @@ not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
-    python bench/experiments/engine_overheads.py pair [--reps 3]
+    python bench/experiments/engine_overheads.py pair [--reps 3] [--sides threads,one-process] [--server node]
     python bench/experiments/engine_overheads.py downscale
 
 All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
@@ -23,7 +23,10 @@ each line is one shard, its process's CPU and context switches.
 ``pair``: the same two sides in the images pair's own configuration (``drivers.images_ours``: 20,000 rows,
 two processes forked from a light parent, one 10,000-row shard each, both cores busy), each run set against
 the limit loop (``limits.images_limit``) measured right before and right after it: the share of the limit the
-bench reports, robots.txt off on both sides.
+bench reports, robots.txt off on both sides. ``--sides threads,one-process``: the engine against both shards
+run on two threads of one process (one import of everything, half the threads). ``--server node``: the site
+served by ``static_server.js`` (Node's HTTP server, files held in memory: ~0.15 CPU-ms a request against ~0.4
+for the Python fixture's), to see whether the server's share of the two cores holds the engine back.
 
 ``downscale``: whether a downscale without torch (whose import costs a download process 1.15-1.4 CPU-s) is
 as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's JPEGs that are
@@ -250,22 +253,27 @@ def pair_side(side: str) -> None:
     that imported nothing heavy, one 10,000-row shard each); prints the successes and the CPU seconds of the
     whole process tree."""
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
     cfg = _settings(os.path.join(WORK, f"pair-{side}"), source=os.path.join(WORK, "pair-urls.parquet"),
                     respect_robots_txt=False)
     shutil.rmtree(cfg["output_root"], ignore_errors=True)
     jobs = [(side, (cfg["source"], off, ROWS, k, cfg)) for k, off in enumerate(range(0, PAIR_ROWS, ROWS))]
-    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+    if side == "one-process":
+        pool = ThreadPoolExecutor(2)  # two shard writers in one process
+    else:
+        pool = ProcessPoolExecutor(2, mp_context=mp.get_context("fork"))
+    with pool:
         successes = sum(r["successes"] for r in pool.map(_pair_shard, jobs))
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))
     print(json.dumps({"successes": successes, "cpu": cpu}), flush=True)
 
 
-def pair(base_url: str, site: dict, reps: int) -> None:
-    """``threads`` (the engine) against ``event-loop`` (the prototype) in the pair's own configuration, each
-    run set against the limit loop (``limits.images_limit``) measured right before and right after it."""
+def pair(base_url: str, site: dict, reps: int, sides: list[str]) -> None:
+    """Two ``sides`` (default: ``threads``, the engine, against ``event-loop``, the prototype) in the pair's own
+    configuration, each run set against the limit loop (``limits.images_limit``) measured right before and
+    right after it."""
     import statistics
 
     from limits import images_limit
@@ -275,9 +283,9 @@ def pair(base_url: str, site: dict, reps: int) -> None:
     limit_settings = {"parquet": os.path.join(WORK, "pair-urls.parquet"), "base_url": base_url,
                       "site_dir": os.path.join(WORK, "site"), "image_size": 256, "resize_mode": "border",
                       "encode_quality": 95, "processes": 2}
-    shares: dict[str, list[float]] = {"threads": [], "event-loop": []}
+    shares: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(reps):
-        for side in (["threads", "event-loop"] if rep % 2 == 0 else ["event-loop", "threads"]):
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
             before = images_limit(limit_settings)["per_cpu_second"]
             out = subprocess.run([sys.executable, __file__, "pair-side", side], check=True, capture_output=True,
                                  text=True).stdout
@@ -294,11 +302,27 @@ def pair(base_url: str, site: dict, reps: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _site() -> tuple[object, str, dict]:
+class _NodeServer:
+    """``static_server.js`` serving ``directory`` (``source.Server``'s interface)."""
+
+    def __init__(self, directory: str):
+        script = os.path.join(HERE, "static_server.js")
+        self.proc = subprocess.Popen(["node", script, directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            raise RuntimeError(f"node static server did not start (got {self.url!r})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # it leaves when its stdin ends
+        self.proc.wait(timeout=10)
+
+
+def _site(server_kind: str = "python") -> tuple[object, str, dict]:
     from source import Server, make_site, make_url_parquet
 
     site = make_site(os.path.join(WORK, "site"), 240)
-    server = Server(os.path.join(WORK, "site"))
+    server = (_NodeServer if server_kind == "node" else Server)(os.path.join(WORK, "site"))
     make_url_parquet(os.path.join(WORK, "urls.parquet"), server.url, site, ROWS)
     return server, server.url, site
 
@@ -362,6 +386,9 @@ def main() -> None:
     p.add_argument("what", choices=("split", "event-loop", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--sides", default="threads,event-loop", help="pair's two sides: threads, event-loop, one-process")
+    p.add_argument("--server", choices=("python", "node"), default="python",
+                   help="what serves the site: the tests' Python fixture (as make bench does) or static_server.js")
     a = p.parse_args()
     if a.what == "one-shard":
         one_shard(a.side)
@@ -371,14 +398,14 @@ def main() -> None:
         return
     os.chdir(ROOT)  # the server's process imports tests.fixtures from here
     os.makedirs(WORK, exist_ok=True)
-    server, url, site = _site()
+    server, url, site = _site(a.server)
     try:
         if a.what == "split":
             split(url, a.reps)
         elif a.what == "downscale":
             downscale()
         elif a.what == "pair":
-            pair(url, site, a.reps)
+            pair(url, site, a.reps, a.sides.split(","))
         else:
             event_loop(a.reps)
     finally:
