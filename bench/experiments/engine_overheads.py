@@ -250,8 +250,8 @@ def _pair_shard(args) -> dict:
 
 def pair_side(side: str) -> None:
     """The images pair's side of ours as ``drivers.images_ours`` runs it (two processes forked from a parent
-    that imported nothing heavy, one 10,000-row shard each); prints the successes and the CPU seconds of the
-    whole process tree."""
+    that imported nothing heavy, one 10,000-row shard each; ``one-process``: the two shards on two threads of
+    this process); prints the successes and the CPU seconds of the whole process tree."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
