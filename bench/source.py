@@ -117,13 +117,15 @@ def make_url_parquet(path: str, base_url: str, site: dict, n_rows: int, broken_s
 
 
 class Server:
-    """``tests.fixtures.http_server.serve_directory`` in its own process (its CPU is not the harness's GIL)."""
+    """``tests.fixtures.http_server.serve_directory`` in its own process (its CPU is not the harness's GIL).
+    ``command``: another server of ``directory`` (appended to it) that prints its base URL and leaves when
+    its stdin ends (``bench/experiments/static_server.js``)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, command: list[str] | None = None):
         code = ("import sys, time\nfrom tests.fixtures.http_server import serve_directory\n"
                 "url, stop = serve_directory(sys.argv[1])\nprint(url, flush=True)\n"
                 "sys.stdin.read()\nstop()\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, directory], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*(command or [sys.executable, "-c", code]), directory], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.url = self.proc.stdout.readline().strip()
         if not self.url.startswith("http://"):

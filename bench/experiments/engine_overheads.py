@@ -280,9 +280,10 @@ def pair(base_url: str, site: dict, reps: int, sides: list[str]) -> None:
     from source import make_url_parquet
 
     make_url_parquet(os.path.join(WORK, "pair-urls.parquet"), base_url, site, PAIR_ROWS)
+    cfg = _settings("")
     limit_settings = {"parquet": os.path.join(WORK, "pair-urls.parquet"), "base_url": base_url,
-                      "site_dir": os.path.join(WORK, "site"), "image_size": 256, "resize_mode": "border",
-                      "encode_quality": 95, "processes": 2}
+                      "site_dir": os.path.join(WORK, "site"), "processes": 2,
+                      **{k: cfg[k] for k in ("image_size", "resize_mode", "encode_quality")}}
     shares: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):
@@ -302,27 +303,12 @@ def pair(base_url: str, site: dict, reps: int, sides: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _NodeServer:
-    """``static_server.js`` serving ``directory`` (``source.Server``'s interface)."""
-
-    def __init__(self, directory: str):
-        script = os.path.join(HERE, "static_server.js")
-        self.proc = subprocess.Popen(["node", script, directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-        self.url = self.proc.stdout.readline().strip()
-        if not self.url.startswith("http://"):
-            raise RuntimeError(f"node static server did not start (got {self.url!r})")
-
-    def close(self) -> None:
-        self.proc.stdin.close()  # it leaves when its stdin ends
-        self.proc.wait(timeout=10)
-
-
 def _site(server_kind: str = "python") -> tuple[object, str, dict]:
     from source import Server, make_site, make_url_parquet
 
     site = make_site(os.path.join(WORK, "site"), 240)
-    server = (_NodeServer if server_kind == "node" else Server)(os.path.join(WORK, "site"))
+    node = ["node", os.path.join(HERE, "static_server.js")] if server_kind == "node" else None
+    server = Server(os.path.join(WORK, "site"), command=node)
     make_url_parquet(os.path.join(WORK, "urls.parquet"), server.url, site, ROWS)
     return server, server.url, site
 
