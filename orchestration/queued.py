@@ -41,10 +41,12 @@ from shardprep_dagster.orchestration.progress import ShardProgress
 from shardprep_dagster.orchestration.queue_daemon import ACTIVE_BACKFILLS, IN_FLIGHT
 from shardprep_dagster.orchestration.recovery import recover_dead_runs
 from shardprep_dagster.orchestration.stop import Stop
+from shardprep_dagster.orchestration.storage_watch import watch
 from shardprep_dagster.orchestration.summary import RunSummary
 from shardprep_dagster.resources.dataset import CONFIG_TAG, HOST_TAG, PID_TAG
 
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.2  # the queries that tell news (_Follower._news), at most this often
+WATCH_SECONDS = 0.05  # the look at an embedded instance's files that tells whether to query (storage_watch)
 READ_SECONDS = 5.0  # the backfills are read at least this often while waited for, news or not (_Follower._news)
 DAEMON_CHECK_SECONDS = 5.0
 # after SIGTERM: how long the cancellation is waited for (a run's downloads stop at once and it is
@@ -145,6 +147,9 @@ class _Follower:
         self._cancelled: set[str] = set()
         self.unmarked: set[str] = set()  # ours, left materialized out before the daemon marked them done
         self._seen, self._read_at = None, -math.inf  # what _news saw last, and when the backfills were read
+        self._watch = watch(instance)  # None: not SQLite, the queries on a timer are the test
+        self._tick = POLL_SECONDS if self._watch is None else WATCH_SECONDS
+        self._dirty, self._queried_at = True, -math.inf  # the files changed since the last queries; their time
 
     def _check_daemon(self) -> None:
         recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
@@ -164,7 +169,16 @@ class _Follower:
         every POLL_SECONDS cost `shardprep run` ~4.5% of a core for as long as it waited (2 x 10,000-row
         chain on the slower benchmark machine); these are three indexed queries. The counts, because a run's
         success is logged before its status is stored: a read between the two saw the last run still in
-        flight, and no event came after it to read again, so the unpartitioned assets waited the 5 s."""
+        flight, and no event came after it to read again, so the unpartitioned assets waited the 5 s.
+        On an embedded instance the queries run only once its files have changed (``storage_watch``), looked
+        at every WATCH_SECONDS: a run's end is seen within that, and while nothing is written (a shard
+        downloading) nothing is queried."""
+        now = time.monotonic()
+        if self._watch is not None:
+            self._dirty = self._watch.changed() or self._dirty
+            if now - self._read_at < READ_SECONDS and (not self._dirty or now - self._queried_at < POLL_SECONDS):
+                return False
+        self._dirty, self._queried_at = False, now
         news = (self.instance.event_log_storage.get_maximum_record_id() or 0,
                 self.instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
                 self.instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)))
@@ -203,7 +217,7 @@ class _Follower:
             elif time.monotonic() - self._daemon_checked > DAEMON_CHECK_SECONDS:
                 self._check_daemon()
             if not stopping and not self._news():
-                time.sleep(POLL_SECONDS)
+                time.sleep(self._tick)
                 continue
             states = {b: progress(self.instance, b) for b in ours + others}
             settled_partitions: set[str] = set()
@@ -222,7 +236,7 @@ class _Follower:
             self.progress.poll(settled_partitions)
             if cut_short or all(state.finished for state in states.values()):
                 return
-            time.sleep(STOPPING_POLL_SECONDS if stopping else POLL_SECONDS)
+            time.sleep(STOPPING_POLL_SECONDS if stopping else self._tick)
 
     def _materialized_out(self, ours: list[str], others: list[str], states: dict) -> bool:
         """Every backfill finished, ours but for the daemon's mark (``launch.materialized_out``): the run goes

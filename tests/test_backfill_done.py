@@ -59,7 +59,7 @@ def test_a_pair_materialized_before_the_backfill_began_does_not_count():
 def test_the_follower_reads_again_when_the_last_run_ends_after_its_event():
     # Dagster logs a run's success, then stores its status: a read in between saw the run in flight, and
     # with no event after it the follower waited READ_SECONDS (5 s, between the shards and the globals)
-    from shardprep_dagster.orchestration.queued import _Follower
+    from shardprep_dagster.orchestration.queued import POLL_SECONDS, _Follower
 
     with dg.instance_for_test() as instance:
         _backfill(instance, "b1")
@@ -67,11 +67,15 @@ def test_the_follower_reads_again_when_the_last_run_ends_after_its_event():
                                   tags={"dagster/backfill": "b1"})
         follower = _Follower(instance, stop=None, bar=None, progress=None)
         assert follower._news()
+        time.sleep(POLL_SECONDS)  # (the queries run at most this often)
         assert not follower._news()  # nothing new: the backfills are not read again
         # the status alone, as the run storage stores it after the success event was logged
         instance.run_storage.handle_run_event(run.run_id, dg.DagsterEvent(event_type_value="PIPELINE_SUCCESS",
                                                                           job_name="j"))
+        time.sleep(POLL_SECONDS)
         assert follower._news()
+        time.sleep(POLL_SECONDS)
         assert not follower._news()
         instance.update_backfill(instance.get_backfill("b1").with_status(BulkActionStatus.COMPLETED_SUCCESS))
+        time.sleep(POLL_SECONDS)
         assert follower._news()  # the daemon's mark logs no event either

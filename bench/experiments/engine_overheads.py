@@ -3,7 +3,7 @@ not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
-    python bench/experiments/engine_overheads.py pair [--reps 3] [--sides threads,one-process] [--server node]
+    python bench/experiments/engine_overheads.py pair [--reps 3] [--sides threads,one-process,inline-2] [--server node]
     python bench/experiments/engine_overheads.py downscale
 
 All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
@@ -24,7 +24,8 @@ each line is one shard, its process's CPU and context switches.
 two processes forked from a light parent, one 10,000-row shard each, both cores busy), each run set against
 the limit loop (``limits.images_limit``) measured right before and right after it: the share of the limit the
 bench reports, robots.txt off on both sides. ``--sides threads,one-process``: the engine against both shards
-run on two threads of one process (one import of everything, half the threads). ``--server node``: the site
+run on two threads of one process (one import of everything, half the threads); ``inline-N``: N download
+threads a shard, each decoding its own images (no hand-off to the decode threads). ``--server node``: the site
 served by ``static_server.js`` (Node's HTTP server, files held in memory: ~0.15 CPU-ms a request against ~0.4
 for the Python fixture's), to see whether the server's share of the two cores holds the engine back.
 
@@ -213,6 +214,18 @@ def _use_event_loop() -> None:
     S.shard_downloads = _loop_downloads
 
 
+def _decode_inline() -> None:
+    """Each download thread decodes its own image (no hand-off to the decode threads)."""
+    from shardprep.images import shards as S
+
+    process_one = S._process_one
+
+    def inline(url, *, download, decode, **kw):
+        return process_one(url, download=download, decode=decode.args[0], **kw)  # decode: partial(submit, fn)
+
+    S._process_one = inline
+
+
 def one_shard(side: str) -> None:
     """One shard in this (fresh) process; prints its CPU and context switches."""
     if side == "event-loop":
@@ -243,6 +256,8 @@ def _pair_shard(args) -> dict:
     side, job = args
     if side == "event-loop":
         _use_event_loop()
+    elif side.startswith("inline-"):
+        _decode_inline()
     from drivers import _ours_shard
 
     return _ours_shard(job)
@@ -257,6 +272,8 @@ def pair_side(side: str) -> None:
 
     cfg = _settings(os.path.join(WORK, f"pair-{side}"), source=os.path.join(WORK, "pair-urls.parquet"),
                     respect_robots_txt=False)
+    if side.startswith("inline-"):  # inline-N: N download threads a shard, each decoding its own images
+        cfg["thread_count"] = int(side.split("-")[1])
     shutil.rmtree(cfg["output_root"], ignore_errors=True)
     jobs = [(side, (cfg["source"], off, ROWS, k, cfg)) for k, off in enumerate(range(0, PAIR_ROWS, ROWS))]
     if side == "one-process":
@@ -372,7 +389,7 @@ def main() -> None:
     p.add_argument("what", choices=("split", "event-loop", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--sides", default="threads,event-loop", help="pair's two sides: threads, event-loop, one-process")
+    p.add_argument("--sides", default="threads,event-loop", help="pair's sides: threads, event-loop, one-process, inline-N")
     p.add_argument("--server", choices=("python", "node"), default="python",
                    help="what serves the site: the tests' Python fixture (as make bench does) or static_server.js")
     a = p.parse_args()
