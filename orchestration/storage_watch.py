@@ -2,8 +2,9 @@
 
 `shardprep run` follows its backfills by counting runs and backfills and reading the newest event id (three
 queries: 3-8 ms of CPU each time on the 2-core benchmark machines), and the queue daemon counts runs and
-backfills to know when to wake Dagster's daemons (~6-13 ms). Done on a timer, that was ~2-4% of a core
-for as long as shards downloaded, on a machine whose cores the downloads keep busy. Those counts live
+backfills to know when to wake Dagster's daemons (~6-13 ms). Done on a timer (every 0.2 s and every
+second), that was ~6% and ~4% of a core for as long as shards downloaded (bench/E2E.md), on a machine
+whose cores the downloads keep busy. Those counts live
 in the run storage's ``runs.db`` and the newest event id in the event log's ``index.db`` (the per-run
 databases hold nothing they read), and every write to either changes its file or, SQLite being in WAL
 mode there, its ``-wal`` file: their inode, mtime and size, four stats, ~20 us. So the queries run when

@@ -20,7 +20,7 @@ def _settled(w) -> bool:
     return not w.changed()
 
 
-def test_a_run_an_event_and_a_backfills_status_are_each_seen_and_quiet_files_are_not():
+def test_a_new_run_an_event_and_a_runs_end_are_each_seen_and_quiet_files_are_not():
     with dg.instance_for_test() as instance:
         w = watch(instance)
         assert w is not None
