@@ -4,13 +4,13 @@
 queries: 3-8 ms of CPU each time on the 2-core benchmark machines), and the queue daemon counts runs and
 backfills to know when to wake Dagster's daemons (~6-13 ms). Done on a timer (every 0.2 s and every
 second), that was ~6% and ~4% of a core for as long as shards downloaded (bench/E2E.md), on a machine
-whose cores the downloads keep busy. Those counts live
-in the run storage's ``runs.db`` and the newest event id in the event log's ``index.db`` (the per-run
-databases hold nothing they read), and every write to either changes its file or, SQLite being in WAL
-mode there, its ``-wal`` file: their inode, mtime and size, four stats, ~20 us. So the queries run when
-these change, and the look can come often (a run's end is seen within a tick, not a poll period). A
-reader changes neither: it makes an empty ``-wal`` when it opens the database and removes it when it
-closes (Dagster opens a connection per query), so a ``-wal`` without frames counts as none.
+whose cores the downloads keep busy. Those counts live in the run storage's ``runs.db`` and the newest
+event id in the event log's ``index.db`` (the per-run databases hold nothing they read), and every write to
+either changes its file or, SQLite being in WAL mode there, its ``-wal`` file: their inode, mtime and size,
+four stats, ~20 us. So the queries run when these change, and the look can come often (a run's end is seen
+within a tick, not a poll period). A reader changes neither: it makes an empty ``-wal`` when it opens the
+database and removes it when it closes (Dagster opens a connection per query), so a ``-wal`` without frames
+counts as none.
 
 A filesystem stamps mtimes at its clock's tick (a few ms): a second write within the tick of one already
 seen would leave the files looking unchanged, so a file written within ``FRESH_NS`` of a look counts as
