@@ -372,19 +372,18 @@ def _serve(idle_seconds: float, server: CodeServer | None, fh) -> int:
         fh.flush()
         idle_since = last_check = last_poke = time.monotonic()
         woken_at, seen = _mtime(wake_path()), None
-        watched, changed = storage_watch.watch(instance, ("runs",)), True
+        watched = storage_watch.watch(instance, ("runs",))
         busy.set()  # it was started for work
         while True:
             controller.check_daemon_threads()
             now, poked = time.monotonic(), _mtime(wake_path())
-            since = now - last_check
+            since, woken = now - last_check, poked != woken_at
             if watched is None:
-                due = since >= (STATE_POLL_SECONDS if busy.is_set() else IDLE_POLL_SECONDS)
+                due = woken or since >= (STATE_POLL_SECONDS if busy.is_set() else IDLE_POLL_SECONDS)
             else:
-                changed = watched.changed() or changed
-                due = (changed and since >= STATE_MIN_SECONDS) or since >= IDLE_POLL_SECONDS
-            if poked != woken_at or due:
-                woken_at, last_check, changed = poked, now, False
+                due = watched.due(since, STATE_MIN_SECONDS, overdue=woken or since >= IDLE_POLL_SECONDS)
+            if due:
+                woken_at, last_check = poked, now
                 state = _state(instance)
                 if state.in_flight or state.backfills_active:
                     busy.set()

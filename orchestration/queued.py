@@ -149,7 +149,7 @@ class _Follower:
         self._seen, self._read_at = None, -math.inf  # what _news saw last, and when the backfills were read
         self._watch = watch(instance)  # None: not SQLite, the queries on a timer are the test
         self._tick = POLL_SECONDS if self._watch is None else WATCH_SECONDS
-        self._dirty, self._queried_at = True, -math.inf  # the files changed since the last queries; their time
+        self._queried_at = -math.inf  # when the news was last queried
 
     def _check_daemon(self) -> None:
         recover_dead_runs(self.instance)  # a killed run worker must not hold its backfill (and slots) forever
@@ -174,11 +174,10 @@ class _Follower:
         at every WATCH_SECONDS: a run's end is seen within that, and while nothing is written (a shard
         downloading) nothing is queried."""
         now = time.monotonic()
-        if self._watch is not None:
-            self._dirty = self._watch.changed() or self._dirty
-            if now - self._read_at < READ_SECONDS and (not self._dirty or now - self._queried_at < POLL_SECONDS):
-                return False
-        self._dirty, self._queried_at = False, now
+        if self._watch is not None and not self._watch.due(now - self._queried_at, POLL_SECONDS,
+                                                           overdue=now - self._read_at >= READ_SECONDS):
+            return False
+        self._queried_at = now
         news = (self.instance.event_log_storage.get_maximum_record_id() or 0,
                 self.instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
                 self.instance.get_backfills_count(filters=BulkActionsFilter(statuses=ACTIVE_BACKFILLS)))

@@ -61,12 +61,14 @@ def _look(db: str) -> tuple:
 
 class StorageWatch:
     """``changed()``: True when one of ``files`` (or its ``-wal``) differs from the previous call's look, or
-    had been written within ``FRESH_NS`` of it; the first call is True."""
+    had been written within ``FRESH_NS`` of it; the first call is True. ``due()``: whether its owner should
+    query now, the changes seen since its last query kept until then."""
 
     def __init__(self, files: list[str]):
         self.files = files
         self._last: tuple | None = None
         self._fresh = True
+        self._pending = True  # changed since the owner's last query (none yet)
 
     def changed(self) -> bool:
         now = time.time_ns()
@@ -75,6 +77,16 @@ class StorageWatch:
         self._last = sig
         self._fresh = any(s is not None and now - s[1] < FRESH_NS for look in sig for s in look)
         return out
+
+    def due(self, since_query: float, min_interval: float, overdue: bool = False) -> bool:
+        """Whether the owner should query now (then it is taken to): the files changed since its last query,
+        ``since_query`` seconds ago, and at least ``min_interval`` s have passed (a burst of writes is read
+        once, not at every look); or ``overdue``, the owner's own reason (its fallback timer, a wake-up)."""
+        self._pending = self.changed() or self._pending
+        if overdue or (self._pending and since_query >= min_interval):
+            self._pending = False
+            return True
+        return False
 
 
 def watch(instance, which: tuple[str, ...] = ("runs", "index")) -> StorageWatch | None:

@@ -84,3 +84,25 @@ def test_the_follower_queries_only_when_the_files_change():
                                                                           job_name="j"))
         assert follower._news()  # the first look after the write: the run is no longer in flight
         assert len(queries) == before + 1
+
+
+def test_due_keeps_a_change_until_the_owner_queries_and_spaces_queries_by_the_interval():
+    with dg.instance_for_test() as instance:
+        w = watch(instance, ("runs",))
+        assert w.due(since_query=float("inf"), min_interval=0.2)  # nothing queried yet
+        assert _settled_due(w)
+        create_run_for_test(instance, job_name="j")
+        # changed, but queried 0.1 s ago: not yet; the change is kept for when the interval has passed
+        assert not w.due(since_query=0.1, min_interval=0.2)
+        assert _settled(w)  # the files are quiet again (these looks do not clear what due() keeps)
+        assert w.due(since_query=0.3, min_interval=0.2)
+        assert not w.due(since_query=0.3, min_interval=0.2)  # taken: nothing new since
+        assert w.due(since_query=0.0, min_interval=0.2, overdue=True)  # the owner's own reason
+
+
+def _settled_due(w) -> bool:
+    """``_settled`` for ``due``: once the files are quiet, a query long after the last one is not due."""
+    time.sleep(SETTLE)
+    w.due(since_query=float("inf"), min_interval=0.0)
+    time.sleep(SETTLE)
+    return not w.due(since_query=float("inf"), min_interval=0.0)
