@@ -86,6 +86,14 @@ def test_the_follower_queries_only_when_the_files_change():
         assert len(queries) == before + 1
 
 
+def _settled_due(w) -> bool:
+    """``_settled`` for ``due``: once the files are quiet, a query long after the last one is not due."""
+    time.sleep(SETTLE)
+    w.due(since_query=float("inf"), min_interval=0.0)
+    time.sleep(SETTLE)
+    return not w.due(since_query=float("inf"), min_interval=0.0)
+
+
 def test_due_keeps_a_change_until_the_owner_queries_and_spaces_queries_by_the_interval():
     with dg.instance_for_test() as instance:
         w = watch(instance, ("runs",))
@@ -98,11 +106,3 @@ def test_due_keeps_a_change_until_the_owner_queries_and_spaces_queries_by_the_in
         assert w.due(since_query=0.3, min_interval=0.2)
         assert not w.due(since_query=0.3, min_interval=0.2)  # taken: nothing new since
         assert w.due(since_query=0.0, min_interval=0.2, overdue=True)  # the owner's own reason
-
-
-def _settled_due(w) -> bool:
-    """``_settled`` for ``due``: once the files are quiet, a query long after the last one is not due."""
-    time.sleep(SETTLE)
-    w.due(since_query=float("inf"), min_interval=0.0)
-    time.sleep(SETTLE)
-    return not w.due(since_query=float("inf"), min_interval=0.0)
