@@ -35,6 +35,7 @@ import re
 import select
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -432,7 +433,14 @@ class _Connection(http.client.HTTPConnection):
         self.sock = self._wrap(sock)
 
     def _wrap(self, sock: socket.socket) -> socket.socket:
+        _kernel_timeout(sock, self.timeout)
         return sock
+
+    def set_timeout(self, timeout: float) -> None:
+        """Bound each later read and write of a kept connection by ``timeout`` seconds."""
+        if timeout != self.timeout:  # each change is a system call (and a hand-off of the GIL)
+            self.timeout = timeout
+            _kernel_timeout(self.sock, timeout)
 
     def _untrack(self) -> None:
         handle, self._handle = self._handle, None
@@ -459,6 +467,25 @@ class _TLSConnection(_Connection):
             sock.close()
             self._untrack()
             raise
+
+    def set_timeout(self, timeout: float) -> None:
+        # ssl's reads try first and poll only when nothing is there: Python's own timeout costs nothing
+        if timeout != self.timeout:
+            self.timeout = timeout
+            self.sock.settimeout(timeout)
+
+
+def _kernel_timeout(sock: socket.socket, timeout: float) -> None:
+    """Make a plain connected ``sock`` blocking, with ``timeout`` on each read and write kept by the kernel
+    (``SO_RCVTIMEO``/``SO_SNDTIMEO``). With Python's own timeout every ``recv`` and ``send`` is two system
+    calls, a ``poll`` and then the call, each handing the GIL over: ~15% of ``fetch``'s CPU a URL on 32
+    threads (bench/IMAGES.md). A read that times out now fails with ``EAGAIN`` (``BlockingIOError``),
+    which ``_attempt_once`` reports as "timed out", as before; ``abort()``'s shutdown still ends it at once."""
+    seconds, micro = divmod(max(1, round(timeout * 1e6)), 1_000_000)  # a zero timeval would mean none at all
+    value = struct.pack("ll", seconds, micro)  # struct timeval
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    sock.settimeout(None)
 
 
 def _dropped(conn: _Connection) -> bool:
@@ -509,8 +536,7 @@ class AbortablePool:
                 conn = idle.pop()
                 self._idle_count -= 1
                 if not _dropped(conn):
-                    conn.timeout = timeout
-                    conn.sock.settimeout(timeout)
+                    conn.set_timeout(timeout)
                     return conn, True
                 conn.close()
             self.connections_made += 1
@@ -943,7 +969,7 @@ def _attempt_once(url: str, pool: AbortablePool, *args) -> tuple[Fetched | None,
         if isinstance(cause, (socket.timeout, TimeoutError)):
             return None, "timed out", None
         return None, f"<urlopen error {cause}>", None  # urllib's wording: "<urlopen error [Errno 111] ...>"
-    except (socket.timeout, TimeoutError):
+    except (socket.timeout, TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO (_kernel_timeout)
         return None, "timed out", None
     except ssl.SSLError as e:  # before OSError, which it is
         return None, f"<urlopen error {e}>", None

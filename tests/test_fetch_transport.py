@@ -286,3 +286,41 @@ def test_a_head_that_trickles_in_fails_at_the_deadline():
         stop.set()
         listener.close()
         thread.join(5)
+
+
+def test_a_kept_connection_reads_with_one_system_call_and_each_downloads_own_timeout():
+    """A plain connection's socket is blocking, its timeout kept by the kernel (SO_RCVTIMEO/SO_SNDTIMEO):
+    a read is one ``recv``, not a ``poll`` and a ``recv``. Kept alive, it takes the next download's
+    timeout: a second request the server never answers fails at that download's 0.3 s, not the first's 5 s."""
+    import socket
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = threading.Event()
+
+    def answer_once():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY)
+            conn.recv(65536)  # the second request: never answered
+            served.wait(10)
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+    pool = make_pool(1)
+    try:
+        assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
+        [kept] = [conn for idle in pool._idle.values() for conn in idle]
+        assert kept.sock.gettimeout() is None  # blocking: Python polls before each read only with its own timeout
+        assert struct.unpack("ll", kept.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (5, 0)
+        t0 = time.monotonic()
+        assert fetch(url, pool=pool, timeout=0.3, allow_private=True) == (None, "timed out")
+        assert 0.25 < time.monotonic() - t0 < 3
+        assert pool.connections_made == 1  # the kept connection, not a new one
+    finally:
+        served.set()
+        pool.clear()
+        listener.close()
+        thread.join(5)
