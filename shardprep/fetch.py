@@ -440,7 +440,10 @@ class _Connection(http.client.HTTPConnection):
         """Bound each later read and write of a kept connection by ``timeout`` seconds."""
         if timeout != self.timeout:  # each change is a system call (and a hand-off of the GIL)
             self.timeout = timeout
-            _kernel_timeout(self.sock, timeout)
+            self._apply_timeout(timeout)
+
+    def _apply_timeout(self, timeout: float) -> None:
+        _kernel_timeout(self.sock, timeout)
 
     def _untrack(self) -> None:
         handle, self._handle = self._handle, None
@@ -468,11 +471,9 @@ class _TLSConnection(_Connection):
             self._untrack()
             raise
 
-    def set_timeout(self, timeout: float) -> None:
+    def _apply_timeout(self, timeout: float) -> None:
         # ssl's reads try first and poll only when nothing is there: Python's own timeout costs nothing
-        if timeout != self.timeout:
-            self.timeout = timeout
-            self.sock.settimeout(timeout)
+        self.sock.settimeout(timeout)
 
 
 def _kernel_timeout(sock: socket.socket, timeout: float) -> None:
