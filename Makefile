@@ -34,7 +34,7 @@ chromium:
 
 # Idempotent: re-runs only when pyproject.toml changes. dalle2-pytorch is a test oracle installed
 # without its (heavy) model dependencies: the tests load its loader modules by file path.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml shardprep/images/downscale.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dagster,test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps dalle2-pytorch==1.15.6

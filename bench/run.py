@@ -663,7 +663,7 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"- limit: {r['limit']['images']} images (the rows' successful images, same order, read into memory "
               f"first), {PROCESSES} processes each running one single-thread loop over its share: simplejpeg "
               "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, OpenCV for PNGs + compositing on white, "
-              "the engine's antialiased bilinear downscale (torch's uint8 kernel; lanczos when upscaling) to "
+              "the engine's antialiased bilinear downscale (downscale.c; lanczos when upscaling) to "
               "img2dataset's size, white border, OpenCV JPEG encode "
               f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured right "
               "before and right after each run of ours, under the same machine load: images per CPU-second "

@@ -139,20 +139,45 @@ def test_antialiased_downscale_is_pils_bilinear_filter(shape):
     assert np.abs(out.reshape(ref.shape).astype(int) - ref).max() <= 1
 
 
-@pytest.mark.parametrize("shape", [(300, 400, 3), (333, 250), (260, 700, 1), (201, 303, 4)])
-def test_antialiased_downscale_writes_interpolates_pixels(shape):
-    """The downscale writes into an HWC array through the op's out= form: the pixels torch's
-    ``interpolate`` gives, in every channel count, from a view (a crop) as from a whole array."""
+@pytest.mark.parametrize("shape", [(300, 400, 3), (333, 250), (260, 700, 1), (201, 303, 4), (40, 1000, 3)])
+def test_antialiased_downscale_is_torchs_kernel_within_a_grey_level(shape):
+    """The C downscale (``downscale.c``) is torch's ``interpolate(antialias=True)`` within a grey level (its
+    passes run in the other order), in every channel count, from a view (a crop) as from a whole array,
+    into C-contiguous HWC; the SIMD and scalar paths give the same bytes, narrow rows (under one SIMD
+    block) and row ends (an overlapping last block) included."""
     torch = pytest.importorskip("torch")
     img = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
-    for src in (img, img[7:250, 11:240]):
+    for src, (new_h, new_w) in ((img, (97, 61)), (img[7:250, 11:240], (97, 61)), (img, (5, 9)), (img, (31, 33))):
         planes = src[:, :, np.newaxis] if src.ndim == 2 else src
         tensor = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
-        ref = torch.nn.functional.interpolate(tensor, size=(97, 61), mode="bilinear", antialias=True,
+        ref = torch.nn.functional.interpolate(tensor, size=(new_h, new_w), mode="bilinear", antialias=True,
                                               align_corners=False)[0].permute(1, 2, 0).numpy()
-        out = resize._antialiased(src, 61, 97)
-        assert out.flags.c_contiguous and out.shape == (97, 61) + src.shape[2:]
-        assert np.array_equal(out.reshape(ref.shape), ref)
+        out = resize._antialiased(src, new_w, new_h)
+        assert out.flags.c_contiguous and out.shape == (new_h, new_w) + src.shape[2:]
+        assert np.abs(out.reshape(ref.shape).astype(int) - ref).max() <= 1
+        scalar = np.empty_like(out)
+        whole = np.ascontiguousarray(src)
+        resize._downscale.downscale(whole, whole.shape[0], whole.shape[1], planes.shape[2], scalar, new_h, new_w, False)
+        assert np.array_equal(scalar, out)
+
+
+def test_antialiased_downscale_refuses_buffers_of_another_size():
+    img = np.zeros((20, 30, 3), np.uint8)
+    with pytest.raises(ValueError, match="20x30x3 to 10x15"):
+        resize._downscale.downscale(img, 20, 30, 3, np.empty((10, 14, 3), np.uint8), 10, 15)
+    with pytest.raises(ValueError, match="21x30x3"):
+        resize._downscale.downscale(img, 21, 30, 3, np.empty((10, 15, 3), np.uint8), 10, 15)
+
+
+def test_fast_decode_never_imports_torch(tmp_path):
+    """A download process resizes without loading torch (its import alone costs ~2 CPU-seconds)."""
+    (tmp_path / "big.jpg").write_bytes(_jpeg(1200, 900))
+    code = ("import sys; from shardprep.images import resize; "
+            f"r = resize.resize_image(open({str(tmp_path / 'big.jpg')!r}, 'rb').read(), fast_decode=True); "
+            "assert r.error is None and (r.width, r.height) == (256, 256), r; "
+            "assert 'torch' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_fast_decode_keeps_failures():

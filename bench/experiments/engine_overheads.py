@@ -29,11 +29,12 @@ threads a shard, each decoding its own images (no hand-off to the decode threads
 served by ``static_server.js`` (Node's HTTP server, files held in memory: ~0.15 CPU-ms a request against ~0.4
 for the Python fixture's), to see whether the server's share of the two cores holds the engine back.
 
-``downscale``: whether a downscale without torch (whose import costs a download process 1.15-1.4 CPU-s) is
-as fast as the engine's (torch's antialiased kernel, ``resize._antialiased``). The site's JPEGs that are
-downscaled, as the engine hands them to its downscale (``resize._plan_reduction``'s DCT-scaled decode,
-the target size from the original's), through each candidate on one thread: CPU ms an image, and PSNR
-against torch's kernel and against OpenCV's area resize (img2dataset's filter).
+``downscale``: the engine's downscale (``resize._antialiased``: ``downscale.c``, written so that a download
+process never imports torch, 1.15-2.4 CPU-s) against torch's antialiased kernel, which it replaced, and
+the OpenCV candidates tried before it. The site's JPEGs that are downscaled, as the engine hands them to its
+downscale (``resize._plan_reduction``'s DCT-scaled decode, the target size from the original's), through
+each candidate on one thread: CPU ms an image, and PSNR against torch's kernel and against OpenCV's area
+resize (img2dataset's filter).
 """
 
 from __future__ import annotations
@@ -355,6 +356,15 @@ def downscale() -> None:
     def area(img, w, h):
         return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
 
+    def torch_kernel(img, w, h):  # the engine's downscale until downscale.c: the op interpolate() calls
+        import torch
+        planes = img[:, :, np.newaxis] if img.ndim == 2 else img
+        src = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
+        out = np.empty((h, w, planes.shape[2]), np.uint8)
+        torch._C._nn._upsample_bilinear2d_aa(src, [h, w], False, None, None,
+                                             out=torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0))
+        return out if img.ndim == 3 else out[:, :, 0]
+
     def integer_area_then_bilinear(img, w, h):
         k = img.shape[1] // w
         if k >= 2:
@@ -371,9 +381,9 @@ def downscale() -> None:
         mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
         return 99.0 if mse == 0 else float(10 * np.log10(255 ** 2 / mse))
 
-    torch_out = [_antialiased(*x) for x in images]  # (torch imported here, outside the timing)
+    torch_out = [torch_kernel(*x) for x in images]  # (torch imported here, outside the timing)
     area_out = [area(*x) for x in images]
-    for fn in (_antialiased, area, integer_area_then_bilinear, box_blurs_then_bilinear):
+    for fn in (_antialiased, torch_kernel, area, integer_area_then_bilinear, box_blurs_then_bilinear) * 2:
         t = time.process_time()
         out = [fn(*x) for x in images]
         ms = (time.process_time() - t) / len(images) * 1e3

@@ -14,7 +14,7 @@ match without importing albumentations. Two checks run before any pixel is decod
 to img2dataset): a JPEG that will be downscaled is decoded at 1/2, 1/4 or 1/8 scale by libjpeg's
 DCT scaling (OpenCV's ``IMREAD_REDUCED_*``, as PIL's ``draft``), choosing the largest reduction
 that still leaves ``DRAFT_GAP`` times the target size, and every downscale (reduced or not, PNGs
-too) is an antialiased bilinear resize (torch's uint8 kernel: PIL's and torchvision's filter) to
+too) is an antialiased bilinear resize (``downscale.c``: PIL's and torchvision's filter) to
 exactly the size img2dataset would produce (computed from the original size), where img2dataset
 uses OpenCV's area resize, which has no vectorised path at a fractional factor (twice the time).
 Sizes, statuses and metadata are unchanged; pixels differ slightly (bench/IMAGES.md gives PSNR
@@ -37,7 +37,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
-from shardprep.allocator import import_paused
+from shardprep.images import _downscale
 
 RESIZE_MODES = ("no", "keep_ratio", "center_crop", "border", "keep_ratio_largest")
 INTERPOLATIONS = {
@@ -184,7 +184,7 @@ def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int
     if interpolation == ANTIALIASED:
         if img.dtype == np.uint8:
             return _antialiased(img, new_w, new_h)
-        interpolation = cv2.INTER_AREA  # 16-bit PNGs and the like: torch's kernel is uint8 only
+        interpolation = cv2.INTER_AREA  # 16-bit PNGs and the like: our kernel is uint8 only
     out = cv2.resize(img, (new_w, new_h), interpolation=interpolation)
     if img.ndim == 3 and out.ndim == 2:  # cv2 drops a single channel axis; albumentations keeps it
         out = out[..., np.newaxis]
@@ -192,27 +192,20 @@ def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int
 
 
 # fast_decode's downscale: antialiased bilinear (PIL's and torchvision's filter: a triangle as wide as the
-# scale factor), where OpenCV's INTER_AREA has no SIMD path at a fractional factor. On the benchmark site's
-# images it takes 0.65 ms an image on average against 1.3 ms (a ~5 ms image's pixel work); PSNR against
-# the area resize min 46.8, median 53.0 dB; the engine's pixels against img2dataset's in bench/IMAGES.md
+# scale factor), where OpenCV's INTER_AREA has no SIMD path at a fractional factor. Our C kernel
+# (downscale.c, torch's uint8 kernel's arithmetic) spares each download process torch's import (~2 CPU-s);
+# on the benchmark site's images it takes 0.23 ms an image against torch's 0.26-0.36 and OpenCV's area
+# resize's ~1 ms; its pixels are torch's within a grey level; the engine's against img2dataset's in bench/IMAGES.md
 ANTIALIASED = -1  # not an OpenCV flag
 
 
 def _antialiased(img: np.ndarray, new_w: int, new_h: int) -> np.ndarray:
-    """``img`` (HxW or HxWxC uint8) downscaled to (new_h, new_w) by torch's antialiased bilinear, same
-    layout. Intra-op threads are left as they are: at these sizes the kernel runs on the calling thread."""
-    # imported at the first downscale (a process that never downscales never loads torch), collector paused
-    torch = import_paused("torch")
-    planes = img[:, :, np.newaxis] if img.ndim == 2 else img
-    # NCHW over the HWC array's memory (channels-last): the layout torch's vectorised uint8 path takes
-    src = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
-    # the output is HWC memory too, handed to the op interpolate() calls (its out= form): interpolate's own
-    # output is planar, which the kernel packs from its interleaved rows and OpenCV had to merge back;
-    # the same pixels, 0.24 against 0.30 ms an image on the benchmark site's JPEGs
-    out = np.empty((new_h, new_w, planes.shape[2]), np.uint8)
-    torch._C._nn._upsample_bilinear2d_aa(src, [new_h, new_w], False, None, None,
-                                         out=torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0))
-    return out if img.ndim == 3 else out[:, :, 0]
+    """``img`` (HxW or HxWxC uint8) downscaled to (new_h, new_w) by antialiased bilinear, same layout."""
+    src = np.ascontiguousarray(img)
+    out = np.empty((new_h, new_w) + img.shape[2:], np.uint8)
+    channels = 1 if img.ndim == 2 else img.shape[2]
+    _downscale.downscale(src, src.shape[0], src.shape[1], channels, out, new_h, new_w)
+    return out
 
 
 def _center_crop(img: np.ndarray, size: int) -> np.ndarray:
