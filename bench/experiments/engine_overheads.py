@@ -1,10 +1,11 @@
-"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): four experiments,
+"""Where the download engine's CPU goes beyond the per-core limit's work (issue 22): experiments,
 not part of `make bench` (their findings are in bench/IMAGES.md).
 
     python bench/experiments/engine_overheads.py split [--reps 2]
     python bench/experiments/engine_overheads.py event-loop [--reps 3]
     python bench/experiments/engine_overheads.py pair [--reps 3] [--sides threads,one-process,inline-2] [--server node]
     python bench/experiments/engine_overheads.py downscale
+    python bench/experiments/engine_overheads.py one-shards [--reps 4] --sides threads,torch-kernel
 
 All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
 its own process, and write under ``bench/work/experiments``.
@@ -18,7 +19,9 @@ HTTP. (c) - (b) is what the engine spends beyond that work: HTTP, sha256, EXIF, 
 every URL on one ``selectors`` thread (plain HTTP/1.1 keep-alive to the one bench host; nothing of
 ``fetch``'s guard, redirects, robots or limits) and hands the bodies to the engine's decode threads,
 sha256 included there; the other side is the engine as it is, robots.txt off on both. Sides alternate;
-each line is one shard, its process's CPU and context switches.
+each line is one shard, its process's CPU and context switches. ``one-shards``: the same alternation
+for any two sides (``--sides``); ``torch-kernel`` is the engine with torch's antialiased kernel, its
+downscale until ``downscale.c``, swapped back in (torch imported at the first downscale, as it was).
 
 ``pair``: the same two sides in the images pair's own configuration (``drivers.images_ours``: 20,000 rows,
 two processes forked from a light parent, one 10,000-row shard each, both cores busy), each run set against
@@ -227,10 +230,28 @@ def _decode_inline() -> None:
     S._process_one = inline
 
 
+def _torch_downscale(img, w: int, h: int):
+    """The engine's downscale until ``downscale.c``: the op torch's ``interpolate(antialias=True)`` calls,
+    writing into an HWC array; torch imported at the first call."""
+    import numpy as np
+    import torch
+
+    planes = img[:, :, np.newaxis] if img.ndim == 2 else img
+    src = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
+    out = np.empty((h, w, planes.shape[2]), np.uint8)
+    torch._C._nn._upsample_bilinear2d_aa(src, [h, w], False, None, None,
+                                         out=torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0))
+    return out if img.ndim == 3 else out[:, :, 0]
+
+
 def one_shard(side: str) -> None:
     """One shard in this (fresh) process; prints its CPU and context switches."""
     if side == "event-loop":
         _use_event_loop()
+    elif side == "torch-kernel":
+        from shardprep.images import resize
+
+        resize._antialiased = _torch_downscale
     t0 = time.perf_counter()
     r = _write_shard(_config(os.path.join(WORK, f"{side}-out"), respect_robots_txt=False))
     cpu = time.process_time()
@@ -240,10 +261,9 @@ def one_shard(side: str) -> None:
                       "voluntary_switches": ru.ru_nvcsw, "involuntary_switches": ru.ru_nivcsw}), flush=True)
 
 
-def event_loop(reps: int) -> None:
+def one_shard_pairs(reps: int, sides: list[str]) -> None:
     for rep in range(reps):
-        sides = ["threads", "event-loop"] if rep % 2 == 0 else ["event-loop", "threads"]
-        for side in sides:
+        for side in sides if rep % 2 == 0 else sides[::-1]:
             subprocess.run([sys.executable, __file__, "one-shard", side], check=True)
 
 
@@ -356,14 +376,7 @@ def downscale() -> None:
     def area(img, w, h):
         return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
 
-    def torch_kernel(img, w, h):  # the engine's downscale until downscale.c: the op interpolate() calls
-        import torch
-        planes = img[:, :, np.newaxis] if img.ndim == 2 else img
-        src = torch.from_numpy(np.ascontiguousarray(planes)).permute(2, 0, 1).unsqueeze(0)
-        out = np.empty((h, w, planes.shape[2]), np.uint8)
-        torch._C._nn._upsample_bilinear2d_aa(src, [h, w], False, None, None,
-                                             out=torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0))
-        return out if img.ndim == 3 else out[:, :, 0]
+    torch_kernel = _torch_downscale
 
     def integer_area_then_bilinear(img, w, h):
         k = img.shape[1] // w
@@ -396,7 +409,7 @@ def downscale() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("split", "event-loop", "pair", "downscale", "one-shard", "pair-side"))
+    p.add_argument("what", choices=("split", "event-loop", "one-shards", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--sides", default="threads,event-loop", help="pair's sides: threads, event-loop, one-process, inline-N")
@@ -419,8 +432,10 @@ def main() -> None:
             downscale()
         elif a.what == "pair":
             pair(url, site, a.reps, a.sides.split(","))
+        elif a.what == "one-shards":
+            one_shard_pairs(a.reps, a.sides.split(","))
         else:
-            event_loop(a.reps)
+            one_shard_pairs(a.reps, ["threads", "event-loop"])
     finally:
         server.close()
 
