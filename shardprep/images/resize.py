@@ -194,7 +194,7 @@ def _resize(img: np.ndarray, scale: float, interpolation: int, target: tuple[int
 # fast_decode's downscale: antialiased bilinear (PIL's and torchvision's filter: a triangle as wide as the
 # scale factor), where OpenCV's INTER_AREA has no SIMD path at a fractional factor. Our C kernel
 # (downscale.c, torch's uint8 kernel's arithmetic) spares each download process torch's import (~2 CPU-s);
-# on the benchmark site's images it takes 0.23 ms an image against torch's 0.26-0.36 and OpenCV's area
+# on the benchmark site's images it takes 0.22-0.27 ms an image against torch's 0.26-0.38 and OpenCV's area
 # resize's ~1 ms; its pixels are torch's within a grey level; the engine's against img2dataset's in bench/IMAGES.md
 ANTIALIASED = -1  # not an OpenCV flag
 
