@@ -127,7 +127,7 @@ def collector_paused() -> Iterator[None]:
 @functools.cache
 def import_paused(name: str) -> ModuleType:
     """``importlib.import_module(name)`` with the collector paused, once per process and module (torch
-    where the first downscale or the first device lookup needs it). Once: the pause's end freezes what
+    where the first device lookup needs it). Once: the pause's end freezes what
     the process holds, which belongs to a worker's start, not to each shard that asks again."""
     with collector_paused():
         return importlib.import_module(name)

@@ -376,8 +376,6 @@ def downscale() -> None:
     def area(img, w, h):
         return cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
 
-    torch_kernel = _torch_downscale
-
     def integer_area_then_bilinear(img, w, h):
         k = img.shape[1] // w
         if k >= 2:
@@ -394,9 +392,9 @@ def downscale() -> None:
         mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
         return 99.0 if mse == 0 else float(10 * np.log10(255 ** 2 / mse))
 
-    torch_out = [torch_kernel(*x) for x in images]  # (torch imported here, outside the timing)
+    torch_out = [_torch_downscale(*x) for x in images]  # (torch imported here, outside the timing)
     area_out = [area(*x) for x in images]
-    for fn in (_antialiased, torch_kernel, area, integer_area_then_bilinear, box_blurs_then_bilinear) * 2:
+    for fn in (_antialiased, _torch_downscale, area, integer_area_then_bilinear, box_blurs_then_bilinear) * 2:
         t = time.process_time()
         out = [fn(*x) for x in images]
         ms = (time.process_time() - t) / len(images) * 1e3
@@ -412,7 +410,7 @@ def main() -> None:
     p.add_argument("what", choices=("split", "event-loop", "one-shards", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--sides", default="threads,event-loop", help="pair's sides: threads, event-loop, one-process, inline-N")
+    p.add_argument("--sides", default="threads,event-loop", help="sides: threads, event-loop, one-process, inline-N (pair); threads, event-loop, torch-kernel (one-shards)")
     p.add_argument("--server", choices=("python", "node"), default="python",
                    help="what serves the site: the tests' Python fixture (as make bench does) or static_server.js")
     a = p.parse_args()

@@ -39,7 +39,7 @@ _LOCK = threading.Lock()
 
 
 def resolve_device(device: str = "auto") -> str:
-    torch = import_paused("torch")  # often a run worker's first import of it (before any download resizes)
+    torch = import_paused("torch")  # often a run worker's first import of it (downloads never import it)
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
