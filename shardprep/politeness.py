@@ -51,6 +51,7 @@ import struct
 import tempfile
 import threading
 import time
+import uuid
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -68,6 +69,9 @@ MAX_OPEN_HOSTS = 512  # host files kept open per process (a web crawl meets thou
 STALE_SECONDS = 86_400.0  # a bucket this far ahead was written before a reboot (monotonic restarted)
 _POLL_FIRST, _POLL_MAX = 0.001, 0.02  # seconds between looks for a free slot (they double up to the max)
 _REDIS_POLL_MAX = 0.05  # a look is a round trip to Redis: many waiting threads of many machines ask it
+# seconds a waiter for a Redis slot keeps its place without asking again (it asks every 50 ms at most):
+# a waiter that died blocks the line ahead of it that long; a live one stalled longer only queues again
+REDIS_WAIT_LAPSE = 2.0
 KEY_PREFIX = "shardprep:politeness:"  # the Redis keys' (a test sets its own)
 LEASE_GRACE = 10.0  # seconds a Redis slot is held past its URL's deadline: a download may end a little late
 REDIS_TIMEOUT = 5.0  # seconds a Redis connect or answer may take (a hung Redis must not hang the threads)
@@ -227,19 +231,41 @@ redis.call('SET', KEYS[1], string.format('%.6f', new), 'PX', math.ceil((new - no
 return string.format('%.6f', start - now)
 """
 
-# A host's slots. KEYS[1]: a sorted set of holders scored by when their hold lapses (Redis's clock);
-# ARGV: the limit, the new holder, its hold (seconds). Lapsed holders (dead ones) are dropped first.
-# Returns 1 (taken) or 0 (every slot is held).
+# A host's slots, given in turn. KEYS[1]: a sorted set of holders scored by when their hold lapses (Redis's
+# clock); KEYS[2]: the line of waiters scored by when they came; KEYS[3]: the same waiters scored by when
+# they stop counting as waiting (a waiter asks again well before; a dead one leaves the line by then).
+# ARGV: the limit, the asker, its hold, how long it stays in line without asking again (seconds).
+# Lapsed holders and waiters are dropped first. A free slot goes to the first waiters in line: a thread
+# that has just given a slot back and asks again queues behind the others, so one machine's threads
+# cannot keep a host's slots from another's (they did: the other's polls only found them held).
+# Returns 1 (taken) or 0 (in line).
 _SLOT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now))
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-local hold = tonumber(ARGV[3])
-redis.call('ZADD', KEYS[1], string.format('%.6f', now + hold), ARGV[2])
--- the set lapses with its longest hold: a host nobody asks any more leaves no key behind
-if redis.call('PTTL', KEYS[1]) < hold * 1000 then redis.call('PEXPIRE', KEYS[1], math.ceil(hold * 1000)) end
-return 1
+local stamp = string.format('%.6f', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', stamp)
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', stamp)) do
+  redis.call('ZREM', KEYS[2], gone)
+  redis.call('ZREM', KEYS[3], gone)
+end
+local free = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[1])
+local place = redis.call('ZRANK', KEYS[2], ARGV[2]) or redis.call('ZCARD', KEYS[2])
+if place < free then
+  local hold = tonumber(ARGV[3])
+  redis.call('ZADD', KEYS[1], string.format('%.6f', now + hold), ARGV[2])
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  -- the set lapses with its longest hold: a host nobody asks any more leaves no key behind
+  if redis.call('PTTL', KEYS[1]) < hold * 1000 then redis.call('PEXPIRE', KEYS[1], math.ceil(hold * 1000)) end
+  return 1
+end
+local patience = tonumber(ARGV[4])
+redis.call('ZADD', KEYS[2], 'NX', stamp, ARGV[2])
+redis.call('ZADD', KEYS[3], string.format('%.6f', now + patience), ARGV[2])
+local lapse = math.ceil(patience * 1000) + 1000
+redis.call('PEXPIRE', KEYS[2], lapse)
+redis.call('PEXPIRE', KEYS[3], lapse)
+return 0
 """
 
 
@@ -269,6 +295,7 @@ class RedisHostLimits:
         self._take = self._client.register_script(_SLOT_LUA)
         self._turn = self._client.register_script(_RATE_LUA)
         self._ids = itertools.count()
+        self._me = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
 
     def acquire(self, host: str, deadline: float, pool: AbortablePool) -> str | None:
         """As ``HostLimits.acquire``; raises ``PolitenessError`` when Redis cannot be asked."""
@@ -294,30 +321,44 @@ class RedisHostLimits:
         except self._errors:
             pass  # not raised over the download's outcome: the hold lapses at its deadline anyway
 
-    def _run(self, script: Any, key: str, *args: Any) -> Any:
+    def _run(self, script: Any, keys: list[str], *args: Any) -> Any:
         try:
-            return script(keys=[key], args=args)
+            return script(keys=keys, args=args)
         except self._errors as e:
             raise PolitenessError(f"per-host limits: Redis at {self._shown}: {e}") from None
 
     def _take_slot(self, host: str, deadline: float, pool: AbortablePool) -> str | None:
-        # unique across machines, processes (a forked child included) and threads
-        holder = f"{socket.gethostname()}:{os.getpid()}:{next(self._ids)}"
-        key = self._prefix + host + ":slots"
-        interval = _POLL_FIRST
-        while True:
-            hold = deadline - time.monotonic() + self._grace
-            if self._run(self._take, key, self.connections, holder, f"{hold:.6f}"):
-                return holder
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            pause(pool, min(interval, remaining))
-            interval = min(2 * interval, _REDIS_POLL_MAX)
+        # unique across machines, processes (a forked child included), instances and threads
+        holder = f"{self._me}:{os.getpid()}:{next(self._ids)}"
+        keys = [self._prefix + host + ":slots", self._prefix + host + ":line", self._prefix + host + ":waiting"]
+        interval, taken = _POLL_FIRST, False
+        try:
+            while True:
+                hold = deadline - time.monotonic() + self._grace
+                taken = self._run(self._take, keys, self.connections, holder, f"{hold:.6f}",
+                                  f"{REDIS_WAIT_LAPSE:.6f}")
+                if taken:
+                    return holder
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                pause(pool, min(interval, remaining))
+                interval = min(2 * interval, _REDIS_POLL_MAX)
+        finally:
+            if not taken:  # gave up, aborted or failed: out of the line
+                self._leave_line(keys, holder)
+
+    def _leave_line(self, keys: list[str], holder: str) -> None:
+        # a waiter that gives up leaves at once rather than hold up the line until its place lapses
+        try:
+            self._client.zrem(keys[1], holder)
+            self._client.zrem(keys[2], holder)
+        except self._errors:
+            pass  # the place lapses by itself
 
     def _wait_turn(self, host: str, deadline: float, pool: AbortablePool) -> bool:
         most = deadline - time.monotonic()
-        wait = float(self._run(self._turn, self._prefix + host + ":rate", f"{self._interval:.9f}",
+        wait = float(self._run(self._turn, [self._prefix + host + ":rate"], f"{self._interval:.9f}",
                                f"{self._tolerance:.9f}", f"{most:.6f}"))
         if wait < 0:
             return False

@@ -194,6 +194,48 @@ def test_slots_are_released_waited_for_until_the_deadline_and_abort(prefix):
     assert limits.acquire("other:80", time.monotonic() + 1, pool)  # hosts are limited apart
 
 
+def test_slots_go_in_turn_a_busy_machine_cannot_keep_them_from_another(prefix):
+    import redis
+
+    # two instances: two machines' limits on one host, one slot. The busy one's 4 threads give the slot
+    # back and ask again at once; the other's single request must get it within a turn or two, where
+    # (before the line) its polls every 50 ms only ever found the slot taken again
+    busy, other = (politeness.RedisHostLimits(REDIS_URL, 1, 0.0, prefix=prefix) for _ in range(2))
+    pool, stop, turns = make_pool(2), threading.Event(), []
+
+    def hammer() -> None:
+        while not stop.is_set():
+            slot = busy.acquire("h:80", time.monotonic() + 30, pool)
+            time.sleep(0.02)
+            busy.release("h:80", slot)
+            turns.append(time.monotonic())
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.2)
+        waits = []
+        for _ in range(10):
+            began = time.monotonic()
+            slot = other.acquire("h:80", began + 3.0, pool)
+            assert slot, f"no slot in 3 s while the busy machine took {len(turns)} turns"
+            waits.append(time.monotonic() - began)
+            other.release("h:80", slot)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=35)
+    # ahead of it at most the holder and the busy machine's 3 other waiters (20 ms each), plus polls
+    assert max(waits) < 1.0, waits
+    assert len(turns) > 20  # the busy machine did keep the slot busy meanwhile
+    # a waiter that gives up at its deadline leaves the line at once, not when its place lapses
+    held = other.acquire("h:80", time.monotonic() + 5, pool)
+    assert held and busy.acquire("h:80", time.monotonic() + 0.1, pool) is None
+    assert redis.Redis.from_url(REDIS_URL).zcard(prefix + "h:80:line") == 0
+    other.release("h:80", held)
+
+
 def test_a_rate_wait_past_the_deadline_fails_fast_through_redis(tmp_path, prefix, serve):
     server = serve()
     # one request per second, deadline 3 x 0.3 s: the first row's turn is now, the others' past it
