@@ -236,6 +236,31 @@ def test_slots_go_in_turn_a_busy_machine_cannot_keep_them_from_another(prefix):
     other.release("h:80", held)
 
 
+def test_the_line_keeps_its_order_and_a_waiter_that_stops_asking_loses_its_place(prefix):
+    # the slot script asked directly, as waiters of any machine would: 0 is "taken", else the place in line
+    limits = politeness.RedisHostLimits(REDIS_URL, 1, 0.0, prefix=prefix)
+    keys = [prefix + "h:80:" + name for name in ("slots", "line", "waiting")]
+
+    def ask(who: str, lapse: float = 30.0) -> int:
+        return limits._run(limits._take, keys, 1, who, "30", f"{lapse}")
+
+    assert ask("holder") == 0
+    assert (ask("first"), ask("second")) == (1, 2)
+    limits.release("h:80", "holder")
+    assert ask("second") == 2  # the slot given back is the first waiter's: the second cannot jump it
+    assert ask("first") == 0
+    limits.release("h:80", "first")
+    assert ask("second") == 0
+    limits.release("h:80", "second")
+    # a waiter that stops asking (a dead one) holds its place only for its lapse
+    assert ask("holder") == 0
+    assert (ask("gone", lapse=1.0), ask("next")) == (1, 2)
+    limits.release("h:80", "holder")
+    assert ask("next") == 2
+    time.sleep(1.5)
+    assert ask("next") == 0
+
+
 def test_a_rate_wait_past_the_deadline_fails_fast_through_redis(tmp_path, prefix, serve):
     server = serve()
     # one request per second, deadline 3 x 0.3 s: the first row's turn is now, the others' past it
