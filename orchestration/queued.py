@@ -147,7 +147,10 @@ class _Follower:
         self._cancelled: set[str] = set()
         self.unmarked: set[str] = set()  # ours, left materialized out before the daemon marked them done
         self._seen, self._read_at = None, -math.inf  # what _news saw last, and when the backfills were read
-        self._watch = watch(instance)  # None: not SQLite, the queries on a timer are the test
+        # None: not SQLite, the queries on a timer are the test. Two watches: the run storage's file changes
+        # when a run or backfill changes state (rarely while shards download), the event index's at every
+        # step's events
+        self._runs_watch, self._watch = watch(instance, ("runs",)), watch(instance, ("index",))
         self._tick = POLL_SECONDS if self._watch is None else WATCH_SECONDS
         self._queried_at = -math.inf  # when the news was last queried
 
@@ -172,11 +175,15 @@ class _Follower:
         flight, and no event came after it to read again, so the unpartitioned assets waited the 5 s.
         On an embedded instance the queries run only once its files have changed (``storage_watch``), looked
         at every WATCH_SECONDS: a run's end is seen within that, and while nothing is written (a shard
-        downloading) nothing is queried."""
+        downloading) nothing is queried. A run's or backfill's change of state is queried at once, events at
+        most every POLL_SECONDS: the last shard run's end came in the middle of the steps' events, and waited
+        for the period's end (0.1 s on average, between the shards and the unpartitioned assets)."""
         now = time.monotonic()
-        if self._watch is not None and not self._watch.due(now - self._queried_at, POLL_SECONDS,
-                                                           overdue=now - self._read_at >= READ_SECONDS):
-            return False
+        if self._watch is not None:
+            since = now - self._queried_at
+            runs = self._runs_watch.due(since, 0.0)  # (a query reads the events too: taken with it)
+            if not self._watch.due(since, POLL_SECONDS, overdue=runs or now - self._read_at >= READ_SECONDS):
+                return False
         self._queried_at = now
         news = (self.instance.event_log_storage.get_maximum_record_id() or 0,
                 self.instance.get_runs_count(filters=dg.RunsFilter(statuses=IN_FLIGHT)),
@@ -243,7 +250,10 @@ class _Follower:
         if not ours or not all(states[b].finished for b in others):
             return False
         unmarked = [b for b in ours if not states[b].finished]
-        if not unmarked or not all(materialized_out(self.instance, b) for b in unmarked):
+        # (one the daemon marked finished since ``states`` were read is finished: read as unmarked, it kept
+        # the run waiting a poll period for the next read, 0.2 s between the shards and the globals)
+        if not unmarked or not all(materialized_out(self.instance, b) or progress(self.instance, b).finished
+                                   for b in unmarked):
             return False
         self.unmarked.update(unmarked)
         return True

@@ -79,3 +79,42 @@ def test_the_follower_reads_again_when_the_last_run_ends_after_its_event():
         instance.update_backfill(instance.get_backfill("b1").with_status(BulkActionStatus.COMPLETED_SUCCESS))
         time.sleep(POLL_SECONDS)
         assert follower._news()  # the daemon's mark logs no event either
+
+
+def test_a_backfill_the_daemon_marks_done_after_it_was_read_does_not_hold_the_follower():
+    # read as active, marked completed by the daemon a moment later: no longer "materialized out" (the
+    # daemon's), finished all the same; the follower waited a poll period for its next read
+    from shardprep_dagster.orchestration.launch import progress
+    from shardprep_dagster.orchestration.queued import _Follower
+
+    with dg.instance_for_test() as instance:
+        for backfill_id in ("b1", "b2"):
+            _backfill(instance, backfill_id)
+            create_run_for_test(instance, job_name="j", status=dg.DagsterRunStatus.SUCCESS,
+                                tags={"dagster/backfill": backfill_id})
+        _materialize(instance, "a")
+        _materialize(instance, "b")
+        states = {b: progress(instance, b) for b in ("b1", "b2")}
+        assert not any(state.finished for state in states.values())
+        instance.update_backfill(instance.get_backfill("b1").with_status(BulkActionStatus.COMPLETED_SUCCESS))
+        follower = _Follower(instance, stop=None, bar=None, progress=None)
+        assert follower._materialized_out(["b1", "b2"], [], states)
+        assert follower.unmarked == {"b1", "b2"}  # (``wait_marked`` waits for b2's mark only)
+
+
+def test_a_runs_end_is_read_at_once_and_events_at_most_every_poll_period(monkeypatch):
+    from shardprep_dagster.orchestration import queued
+
+    monkeypatch.setattr(queued, "POLL_SECONDS", 3.0)  # (far longer than the test's steps take)
+    with dg.instance_for_test() as instance:
+        _backfill(instance, "b1")
+        run = create_run_for_test(instance, job_name="j", status=dg.DagsterRunStatus.STARTED,
+                                  tags={"dagster/backfill": "b1"})
+        time.sleep(0.2)  # (files written just before a look count as changed at the next one too)
+        follower = queued._Follower(instance, stop=None, bar=None, progress=None)
+        assert follower._news()
+        _materialize(instance, "a")  # a step's event: not read again within the poll period
+        assert not follower._news()
+        instance.run_storage.handle_run_event(run.run_id, dg.DagsterEvent(event_type_value="PIPELINE_SUCCESS",
+                                                                          job_name="j"))
+        assert follower._news()  # the run's end: read at once
