@@ -125,11 +125,21 @@ def materialized_out(instance: dg.DagsterInstance, backfill_id: str) -> bool:
     marks such a backfill completed at its next pass, which comes a tick after the last run's success and
     takes seconds on a busy machine (a 2 x 10,000-row chain waited 5.8 s there, bench/E2E.md); a follower can
     go on at once. A backfill with a failure, or one still to create its next runs, reads False."""
+    return _materialized_out(instance, instance.get_backfill(backfill_id))
+
+
+def finished_or_materialized_out(instance: dg.DagsterInstance, backfill_id: str) -> bool:
+    """``materialized_out``, or finished (the daemon may have marked it since the caller last read it),
+    from one read of the backfill."""
     backfill = instance.get_backfill(backfill_id)
+    return (backfill is not None and backfill.status not in ACTIVE_BACKFILLS) or _materialized_out(instance, backfill)
+
+
+def _materialized_out(instance: dg.DagsterInstance, backfill: PartitionBackfill | None) -> bool:
     data = backfill.asset_backfill_data if backfill is not None else None
     if data is None or backfill.status != BulkActionStatus.REQUESTED or not data.failed_and_downstream_subset.is_empty:
         return False
-    runs = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
+    runs = dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id})
     if not instance.get_runs_count(filters=runs) or instance.get_runs_count(
             filters=dg.RunsFilter(tags=runs.tags, statuses=IN_FLIGHT)):
         return False

@@ -30,9 +30,9 @@ from shardprep_dagster.orchestration.launch import (
     cancel,
     ensure_daemon,
     failures,
+    finished_or_materialized_out,
     in_flight,
     launch,
-    materialized_out,
     progress,
     run_failures,
 )
@@ -252,8 +252,7 @@ class _Follower:
         unmarked = [b for b in ours if not states[b].finished]
         # (one the daemon marked finished since ``states`` were read is finished: read as unmarked, it kept
         # the run waiting a poll period for the next read, 0.2 s between the shards and the globals)
-        if not unmarked or not all(materialized_out(self.instance, b) or progress(self.instance, b).finished
-                                   for b in unmarked):
+        if not unmarked or not all(finished_or_materialized_out(self.instance, b) for b in unmarked):
             return False
         self.unmarked.update(unmarked)
         return True
