@@ -134,11 +134,12 @@ class Mismatch(RuntimeError):
     """The two sides did not produce the same thing."""
 
 
-def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str, timeout: float = 600,
+def run_pair(ours: tuple[str, dict], theirs: tuple[str, dict], reps: int, log: str, timeout: float = 1800,
              sample_every: float = 0.02, beside_ours: Callable[[str], None] | None = None) -> dict:
     """Alternate the two sides ``reps`` times (A B, B A, ...); returns the runs of each. ``beside_ours(when)``:
     called right "before" and right "after" each run of ours (its limit loop, measured on either side of the
-    run it is compared with)."""
+    run it is compared with). ``timeout``: seconds a side may take (a hang must not stall the bench, but on a
+    slow 2-core machine DALLE2-pytorch's epoch over the loader pair's 20 tars took 536 s)."""
     runs: dict[str, list] = {"ours": [], "theirs": []}
     for rep in range(reps):
         order = [("ours", ours), ("theirs", theirs)]
