@@ -82,6 +82,11 @@ def cancel(instance: dg.DagsterInstance, backfill_id: str) -> None:
         wake()  # the daemon terminates its runs now, not at its next look
 
 
+def backfill_over(status: BulkActionStatus) -> bool:
+    """A backfill in ``status`` is over: the daemon has marked it completed, failed or canceled."""
+    return status not in ACTIVE_BACKFILLS
+
+
 @dataclass
 class Progress:
     status: BulkActionStatus
@@ -90,7 +95,7 @@ class Progress:
 
     @property
     def finished(self) -> bool:
-        return self.status not in ACTIVE_BACKFILLS
+        return backfill_over(self.status)
 
 
 def _pairs(subset: AssetGraphSubset) -> Pairs:
@@ -132,7 +137,7 @@ def finished_or_materialized_out(instance: dg.DagsterInstance, backfill_id: str)
     """``materialized_out``, or finished (the daemon may have marked it since the caller last read it),
     from one read of the backfill."""
     backfill = instance.get_backfill(backfill_id)
-    return (backfill is not None and backfill.status not in ACTIVE_BACKFILLS) or _materialized_out(instance, backfill)
+    return (backfill is not None and backfill_over(backfill.status)) or _materialized_out(instance, backfill)
 
 
 def _materialized_out(instance: dg.DagsterInstance, backfill: PartitionBackfill | None) -> bool:
