@@ -325,16 +325,22 @@ def pair(base_url: str, site: dict, reps: int, sides: list[str]) -> None:
     shares: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):
-            before = images_limit(limit_settings)["per_cpu_second"]
+            before = images_limit(limit_settings)
             out = subprocess.run([sys.executable, __file__, "pair-side", side], check=True, capture_output=True,
                                  text=True).stdout
             run = json.loads(out.strip().splitlines()[-1])
-            after = images_limit(limit_settings)["per_cpu_second"]
+            after = images_limit(limit_settings)
             rate = run["successes"] / run["cpu"]
-            shares[side].append(rate / ((before + after) / 2))
+            limit = (before["per_cpu_second"] + after["per_cpu_second"]) / 2
+            full = (before["with_hash_exif_per_cpu_second"] + after["with_hash_exif_per_cpu_second"]) / 2
+            shares[side].append(rate / limit)
             print(json.dumps({"side": side, "successes": run["successes"], "cpu": round(run["cpu"], 1),
-                              "per_cpu_second": round(rate, 1), "limit": [round(before, 1), round(after, 1)],
-                              "share_of_limit": round(shares[side][-1], 3)}), flush=True)
+                              "per_cpu_second": round(rate, 1),
+                              "limit": [round(before["per_cpu_second"], 1), round(after["per_cpu_second"], 1)],
+                              "share_of_limit": round(shares[side][-1], 3),
+                              "hash_exif_ms": round(500 * (before["hash_exif_cpu_seconds"] / before["items"]
+                                                           + after["hash_exif_cpu_seconds"] / after["items"]), 3),
+                              "share_with_hash_exif": round(rate / full, 3)}), flush=True)
     print(json.dumps({side: round(statistics.median(v), 3) for side, v in shares.items()}), flush=True)
 
 
