@@ -21,10 +21,15 @@ import zlib
 from concurrent.futures import ProcessPoolExecutor
 
 
+def _parts(part, shares: list, processes: int) -> list:
+    """``part(share)`` for each share, ``processes`` at once."""
+    with ProcessPoolExecutor(processes) as pool:  # fork: the caller has imported nothing heavy
+        return list(pool.map(part, shares))
+
+
 def _in_processes(part, shares: list, processes: int) -> tuple[int, float]:
     """``part(share)`` -> (items, loop CPU seconds) for each share, ``processes`` at once; summed."""
-    with ProcessPoolExecutor(processes) as pool:  # fork: the caller has imported nothing heavy
-        done = list(pool.map(part, shares))
+    done = _parts(part, shares, processes)
     return sum(n for n, _ in done), sum(c for _, c in done)
 
 
@@ -108,9 +113,8 @@ def images_limit(s: dict) -> dict:
     files = [os.path.join(s["site_dir"], "images", u[len(prefix):]) for u in urls if u.startswith(prefix)]
     p = s["processes"]
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(p) as pool:
-        done = list(pool.map(_images_part, [(files[i::p], s["image_size"], s["resize_mode"], s["encode_quality"])
-                                            for i in range(p)]))
+    done = _parts(_images_part, [(files[i::p], s["image_size"], s["resize_mode"], s["encode_quality"])
+                                 for i in range(p)], p)
     items, cpu, row_cpu = (sum(x[i] for x in done) for i in range(3))
     # the limit is the pixels' loop alone; with the hash and EXIF is information beside it (bench/IMAGES.md)
     return {**_timed(s, items, cpu, t0), "images": items, "hash_exif_cpu_seconds": row_cpu,
