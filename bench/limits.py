@@ -92,7 +92,8 @@ def _images_part(args) -> tuple[int, float, float]:
         img = R._pad_white(img, image_size)
         cv2.imencode(".jpg", img, params)
     pixels = time.process_time() - c0
-    _exif_json(datas[0])  # exifread's import, outside the clock
+    if datas:
+        _exif_json(datas[0])  # exifread's import, outside the clock
     c0 = time.process_time()
     for data in datas:  # the parquet's sha256 and exif columns (img2dataset's defaults compute both)
         hashlib.sha256(data).hexdigest()

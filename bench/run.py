@@ -216,11 +216,15 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     for lim in limits:
         if lim["items"] != o["successes"]:
             raise Mismatch(f"images: the limit loop did {lim['items']} images, the engine {o['successes']}")
-    beside = [median([lim["per_cpu_second"] for lim in pair]) for pair in sandwiches]  # the pair's mean
-    shares = [(r.result["successes"] / r.cpu_seconds) / rate for r, rate in zip(runs["ours"], beside)]
+
+    def shares_of(rate_key: str) -> list[float]:
+        """Each run of ours against the mean of the limit's ``rate_key`` right before and right after it."""
+        return [(r.result["successes"] / r.cpu_seconds) / median([lim[rate_key] for lim in pair])
+                for r, pair in zip(runs["ours"], sandwiches)]
+
+    shares = shares_of("per_cpu_second")
     # information beside the judged share: the same against the loop with the rows' sha256 and EXIF added
-    beside_full = [median([lim["with_hash_exif_per_cpu_second"] for lim in pair]) for pair in sandwiches]
-    shares_full = [(r.result["successes"] / r.cpu_seconds) / rate for r, rate in zip(runs["ours"], beside_full)]
+    shares_full = shares_of("with_hash_exif_per_cpu_second")
     limit = {**limits[-1], "per_cpu_second": median([x["per_cpu_second"] for x in limits]),
              "loop_cpu_seconds": median([x["loop_cpu_seconds"] for x in limits]),
              "rates": [x["per_cpu_second"] for x in limits], "shares": shares, "share": median(shares),
