@@ -268,10 +268,23 @@ def main() -> int:
         "write_clip_embeddings splits them; score_watermarks and caption_tar with their default threads.",
         "",
     ]
+    kept = _kept_sections(args.out)
     with open(args.out, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines) + kept)
     print("\n".join(lines))
     return 0
+
+
+def _kept_sections(path: str) -> str:
+    """The file's own sections (from its first ``## `` heading: the GPU runs, measured on lent machines that
+    a CPU run cannot repeat), kept below a new run's figures; "" when there are none."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    at = text.find("\n## ")
+    return text[at:] if at >= 0 else ""
 
 
 if __name__ == "__main__":

@@ -217,20 +217,25 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
         if lim["items"] != o["successes"]:
             raise Mismatch(f"images: the limit loop did {lim['items']} images, the engine {o['successes']}")
 
-    def shares_of(rate_key: str) -> list[float]:
-        """Each run of ours against the mean of the limit's ``rate_key`` right before and right after it."""
-        return [(r.result["successes"] / r.cpu_seconds) / median([lim[rate_key] for lim in pair])
+    def shares_of(rate_key: str, items=lambda result: result["successes"]) -> list[float]:
+        """Each run of ours (``items`` per CPU-second) against the mean of the limit's ``rate_key`` right
+        before and right after it."""
+        return [(items(r.result) / r.cpu_seconds) / median([lim[rate_key] for lim in pair])
                 for r, pair in zip(runs["ours"], sandwiches)]
 
     shares = shares_of("per_cpu_second")
     # information beside the judged share: the same against the loop with the rows' sha256 and EXIF added
     shares_full = shares_of("with_hash_exif_per_cpu_second")
+    # and the issue's own arithmetic (its "2.5x img2dataset per CPU-second is 80% of the limit"): input rows
+    # per CPU-second, broken rows included, against the limit's images per CPU-second
+    shares_rows = shares_of("per_cpu_second", lambda result: rows["rows"])
     limit = {**limits[-1], "per_cpu_second": median([x["per_cpu_second"] for x in limits]),
              "loop_cpu_seconds": median([x["loop_cpu_seconds"] for x in limits]),
              "rates": [x["per_cpu_second"] for x in limits], "shares": shares, "share": median(shares),
              "with_hash_exif": median([x["with_hash_exif_per_cpu_second"] for x in limits]),
              "hash_exif_ms": median([1000 * x["hash_exif_cpu_seconds"] / x["items"] for x in limits]),
-             "shares_with_hash_exif": shares_full, "share_with_hash_exif": median(shares_full)}
+             "shares_with_hash_exif": shares_full, "share_with_hash_exif": median(shares_full),
+             "shares_rows": shares_rows, "share_rows": median(shares_rows)}
     return {"runs": runs, "rows": rows, "quality": quality, "limit": limit,
             "ours": summarise(runs["ours"], "successes"), "theirs": summarise(runs["theirs"], "successes"),
             "settings": common}
@@ -547,7 +552,14 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                 # img2dataset computes by default from every image's bytes, which no engine can skip
                 ["", "information: the limit loop plus the sha256 and EXIF of each image's bytes (the parquet's "
                  f"columns; {lim['hash_exif_ms']:.3f} CPU-ms an image), images per CPU-second; shardprep's share",
-                 f"{_fmt(lim['with_hash_exif'])} ({lim['share_with_hash_exif'] * 100:.0f}%)", "", "", "", ""]]
+                 f"{_fmt(lim['with_hash_exif'])} ({lim['share_with_hash_exif'] * 100:.0f}%)", "", "", "", ""],
+                # the issue's wording ("80% of the per-core limit in rows per CPU-second") and its arithmetic
+                # (2.5 x img2dataset's 67.3 input rows per CPU-second = 168 = 80% of a 210 images-per-CPU-second
+                # limit) set input rows against the limit's images: broken rows count as rows and cost the
+                # limit nothing. Given as information; the floor above is judged on successful images
+                ["", "information: input rows per CPU-second, whole run, against the same limit (the issue's own "
+                 "arithmetic: rows against the limit's images); shardprep's share",
+                 f"{_fmt(_rate(rows_n, o['cpu']))} ({lim['share_rows'] * 100:.0f}%)", "", "", "", ""]]
     if name == "clip":
         n = o["count"]
         ratio = _rate(n, o["work"]) / _rate(n, t["work"])
@@ -690,7 +702,9 @@ def _details(results: dict, errors: dict) -> list[str]:
               f"after the limit's clock): {r['limit']['hash_exif_ms']:.3f} CPU-ms an image; the limit with them "
               f"{_fmt(r['limit']['with_hash_exif'])} images per CPU-second, shardprep's share of that run by run: "
               f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares_with_hash_exif'])} (information: the floor "
-              "is judged against the limit above)",
+              "is judged against the limit above). Input rows per CPU-second against the limit (the issue's "
+              "arithmetic, which counts the broken rows as rows), run by run: "
+              f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares_rows'])}",
               f"- same output: identical status counts, keys, tar members, json sizes/statuses/sha256 per key. "
               f"Pixels (our `fast_decode` JPEGs against img2dataset's, per image): PSNR min {_fmt(q['psnr_min'])} dB, "
               f"median {_fmt(q['psnr_median'])} dB; mean absolute difference max {_fmt(q['mad_max'], 2)}, median "
