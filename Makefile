@@ -32,10 +32,10 @@ chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-# Idempotent: re-runs only when pyproject.toml or the C downscale changes (the install builds it in place).
+# Idempotent: re-runs only when pyproject.toml or the C extensions change (the install builds it in place).
 # dalle2-pytorch is a test oracle installed without its (heavy) model dependencies: the tests load its
 # loader modules by file path.
-$(STAMP): pyproject.toml shardprep/images/downscale.c
+$(STAMP): pyproject.toml shardprep/images/downscale.c shardprep/images/unfilter.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dagster,test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps dalle2-pytorch==1.15.6

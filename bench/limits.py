@@ -9,7 +9,8 @@ own cost that it spends on the work: what is left is its I/O, threads, bookkeepi
 Where the work is one library chain with nothing to choose (CLIP: decode, resize, crop, normalise,
 tokenise, the model; video: PyAV decode and x264 encode per clip) the loop calls the engine's own
 per-item functions on in-memory inputs; the image loop is written apart (simplejpeg + OpenCV, the
-fastest libraries measured for that work), as is the index loop (an mmap header walk, SQLite rows).
+fastest libraries measured for that work, and the engine's PNG decoder), as is the index loop (an mmap
+header walk, SQLite rows).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _images_part(args) -> tuple[int, float, float]:
 
     from shardprep import allocator
     from shardprep.images import resize as R
+    from shardprep.images.png import decode_png
     from shardprep.images.shards import _exif_json
 
     assert resize_mode == "border", "the limit loop does the bench's resize_mode (border) only"
@@ -80,8 +82,10 @@ def _images_part(args) -> tuple[int, float, float]:
             r, _ = R._plan_reduction((w, h), "JPEG", "L" if grey else "RGB", resize_mode, image_size)
             img = simplejpeg.decode_jpeg(data, "GRAY" if grey else "BGR", min_height=-(-h // r),
                                          min_width=-(-w // r), min_factor=r)
-        else:  # PNG with alpha: decode, composite on white
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+        else:  # PNG with alpha: the engine's PNG decode (OpenCV's for what it does not take), composite on white
+            img = decode_png(data)
+            if img is None:
+                img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
             h, w = img.shape[:2]
             if img.ndim == 3 and img.shape[2] == 4:
                 img = R._composite_on_white(img)

@@ -690,7 +690,8 @@ def _details(results: dict, errors: dict) -> list[str]:
               "bytes (sampled every 0.25 s with the CPU time of the live process tree), scaled to all rows",
               f"- limit: {r['limit']['images']} images (the rows' successful images, same order, read into memory "
               f"first), {PROCESSES} processes each running one single-thread loop over its share: simplejpeg "
-              "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, OpenCV for PNGs + compositing on white, "
+              "(libjpeg-turbo) decode at the engine's DCT scale for JPEGs, the engine's PNG decoder (png.py: ISA-L's "
+              "inflate) + compositing on white, "
               "the engine's antialiased bilinear downscale (downscale.c; lanczos when upscaling) to "
               "img2dataset's size, white border, OpenCV JPEG encode "
               f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured right "

@@ -218,6 +218,25 @@ def _use_event_loop() -> None:
     S.shard_downloads = _loop_downloads
 
 
+def _batch_downloads() -> None:
+    """The download threads under SCHED_BATCH: a download thread woken by its socket no longer preempts a
+    running decode thread, it waits for the scheduler's tick (the decode threads keep their caches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardprep.images import shards as S
+
+    def batch() -> None:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread only (a Linux task)
+
+    class Executor(ThreadPoolExecutor):
+        def __init__(self, max_workers=None, thread_name_prefix="", **kw):
+            if thread_name_prefix == "shardprep-dl":
+                kw["initializer"] = batch
+            super().__init__(max_workers, thread_name_prefix, **kw)
+
+    S.ThreadPoolExecutor = Executor
+
+
 def _decode_inline() -> None:
     """Each download thread decodes its own image (no hand-off to the decode threads)."""
     from shardprep.images import shards as S
@@ -279,6 +298,8 @@ def _pair_shard(args) -> dict:
         _use_event_loop()
     elif side.startswith("inline-"):
         _decode_inline()
+    elif side == "batch-downloads":
+        _batch_downloads()
     from drivers import _ours_shard
 
     return _ours_shard(job)

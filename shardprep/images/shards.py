@@ -302,7 +302,8 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                      extract_exif=cfg.extract_exif)
     work = partial(_process_one, download=download, decode=partial(decoder.submit, decode),
                    taken_down_hashes=frozenset(takedowns.entries["sha256"]))
-    out_cols: dict[str, list] = {name: [] for name in schema.names}
+    names_out = schema.names  # a property that builds a new list at every call: once, not once a row
+    out_cols: dict[str, list] = {name: [] for name in names_out}
     counts: Counter = Counter()
     status_dict: Counter = Counter()
     try:
@@ -325,7 +326,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                 if cfg.extract_exif:
                     meta["exif"] = outcome.exif
                 meta[HASH_COLUMN] = outcome.sha256
-                for name in schema.names:
+                for name in names_out:
                     out_cols[name].append(meta[name])
                 if outcome.status != "success":
                     continue
