@@ -32,7 +32,7 @@ chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-# Idempotent: re-runs only when pyproject.toml or the C extensions change (the install builds it in place).
+# Idempotent: re-runs only when pyproject.toml or the C extensions change (the install builds them in place).
 # dalle2-pytorch is a test oracle installed without its (heavy) model dependencies: the tests load its
 # loader modules by file path.
 $(STAMP): pyproject.toml shardprep/images/downscale.c shardprep/images/unfilter.c
