@@ -28,7 +28,9 @@ two processes forked from a light parent, one 10,000-row shard each, both cores 
 the limit loop (``limits.images_limit``) measured right before and right after it: the share of the limit the
 bench reports, robots.txt off on both sides. ``--sides threads,one-process``: the engine against both shards
 run on two threads of one process (one import of everything, half the threads); ``inline-N``: N download
-threads a shard, each decoding its own images (no hand-off to the decode threads). ``--server node``: the site
+threads a shard, each decoding its own images (no hand-off to the decode threads); ``batch-downloads``: the download
+threads under ``SCHED_BATCH`` (woken by a socket, they wait for the scheduler's tick instead of preempting a
+decode thread); ``opencv-png``: the engine before ``images/png.py``, every PNG decoded by OpenCV. ``--server node``: the site
 served by ``static_server.js`` (Node's HTTP server, files held in memory: ~0.15 CPU-ms a request against ~0.4
 for the Python fixture's), to see whether the server's share of the two cores holds the engine back.
 
@@ -271,6 +273,10 @@ def one_shard(side: str) -> None:
         from shardprep.images import resize
 
         resize._antialiased = _torch_downscale
+    elif side == "opencv-png":  # the engine before png.py: every PNG decoded by OpenCV
+        from shardprep.images import resize
+
+        resize.decode_png = lambda data: None
     t0 = time.perf_counter()
     r = _write_shard(_config(os.path.join(WORK, f"{side}-out"), respect_robots_txt=False))
     cpu = time.process_time()
@@ -300,6 +306,10 @@ def _pair_shard(args) -> dict:
         _decode_inline()
     elif side == "batch-downloads":
         _batch_downloads()
+    elif side == "opencv-png":  # the engine before png.py: every PNG decoded by OpenCV
+        from shardprep.images import resize
+
+        resize.decode_png = lambda data: None
     from drivers import _ours_shard
 
     return _ours_shard(job)
@@ -437,7 +447,8 @@ def main() -> None:
     p.add_argument("what", choices=("split", "event-loop", "one-shards", "pair", "downscale", "one-shard", "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--sides", default="threads,event-loop", help="sides: threads, event-loop, one-process, inline-N (pair); threads, event-loop, torch-kernel (one-shards)")
+    p.add_argument("--sides", default="threads,event-loop", help="sides: threads, event-loop, one-process, inline-N, batch-downloads, opencv-png (pair); threads, "
+                   "event-loop, torch-kernel, opencv-png (one-shards)")
     p.add_argument("--server", choices=("python", "node"), default="python",
                    help="what serves the site: the tests' Python fixture (as make bench does) or static_server.js")
     a = p.parse_args()
