@@ -1,7 +1,7 @@
 /* PNG's row filters undone (PNG spec, section 9): the step of a PNG decode after the inflate, for the fast
- * PNG path (png.py). 8-bit samples only, so a filter's "previous pixel" is ``bpp`` bytes back. Sub and Up
- * are written so that gcc vectorises them; Average and Paeth depend on the byte just decoded, so they go a
- * pixel at a time, as libpng's own C does. The GIL is released for the whole image.
+ * PNG path (png.py). 8-bit samples only, so a filter's "previous pixel" is ``bpp`` bytes back. Up (the most
+ * common filter) is written so that gcc vectorises it; Sub, Average and Paeth depend on the byte just
+ * decoded, so they go a byte at a time, as libpng's own C does. The GIL is released for the whole image.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
