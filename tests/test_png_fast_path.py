@@ -19,11 +19,7 @@ from PIL import Image
 from shardprep.images import _unfilter, resize
 from shardprep.images.png import decode_png
 from tests.fixtures import synthetic
-
-
-def _chunk(kind: bytes, body: bytes, crc: int | None = None) -> bytes:
-    crc = zlib.crc32(kind + body) if crc is None else crc
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+from tests.fixtures.synthetic import _png_chunk
 
 
 def _filtered(rows: np.ndarray, bpp: int, types: list[int]) -> bytes:
@@ -62,9 +58,9 @@ def _png(pixels: np.ndarray, *, types=None, idats: int = 1, before=(), after=(),
     data = zlib.compress(_filtered(pixels.reshape(h, w * c), c, types)) if stream is None else stream
     step = -(-len(data) // idats)
     ihdr = struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, interlace)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + b"".join(_chunk(k, b) for k, b in before)
-            + b"".join(_chunk(b"IDAT", data[i:i + step]) for i in range(0, len(data), step))
-            + b"".join(_chunk(k, b) for k, b in after) + _chunk(b"IEND", b"") + trailer)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + b"".join(_png_chunk(k, b) for k, b in before)
+            + b"".join(_png_chunk(b"IDAT", data[i:i + step]) for i in range(0, len(data), step))
+            + b"".join(_png_chunk(k, b) for k, b in after) + _png_chunk(b"IEND", b"") + trailer)
 
 
 def _opencv(data: bytes) -> np.ndarray | None:
@@ -134,8 +130,9 @@ def test_what_the_path_does_not_take_is_left_to_opencv():
     ihdr_at = good.index(b"IHDR")
     bad_crc = bytearray(good)
     bad_crc[good.index(b"IDAT") + 10] ^= 1
-    bad_filter = _png(rgb, stream=zlib.compress(b"\x05" + bytes(64 * 3) + _filtered(rgb.reshape(48, -1), 3,
-                                                                                     [0] * 48)[64 * 3 + 1:]))
+    unknown_filter = bytearray(_filtered(rgb.reshape(48, -1), 3, [0] * 48))
+    unknown_filter[0] = 5  # the first row's filter type: 0-4 exist
+    text = _png_chunk(b"tEXt", b"a\x00b")
     cases = {
         "16-bit": deep,
         "palette": palette.getvalue(),
@@ -147,16 +144,16 @@ def test_what_the_path_does_not_take_is_left_to_opencv():
         "palette in a grey image": _png(grey, before=[(b"PLTE", bytes(48))]),
         "a bad CRC": bytes(bad_crc),
         "a bad CRC in an ancillary chunk": _png(rgb, before=[(b"tEXt", b"a\x00b")]).replace(
-            _chunk(b"tEXt", b"a\x00b"), _chunk(b"tEXt", b"a\x00b", crc=1)),
+            text, text[:-1] + bytes([text[-1] ^ 1])),
         "no IEND": good[:-12],
         "cut inside IDAT": good[:len(good) // 2],
         "IDATs in two runs": _split_idats(rgb),
         "too little pixel data": _png(rgb, stream=zlib.compress(_filtered(rgb[:40].reshape(40, -1), 3, [0] * 40))),
         "more than the image": _png(rgb, stream=zlib.compress(_filtered(rgb.reshape(48, -1), 3, [0] * 48) + b"x")),
         "data after the zlib stream": _png(rgb, stream=stream + b"\x00\x00"),
-        "a bad filter type": bad_filter,
+        "a bad filter type": _png(rgb, stream=zlib.compress(bytes(unknown_filter))),
         "a broken zlib stream": _png(rgb, stream=stream[:10] + bytes(20) + stream[30:]),
-        "a wrong IHDR length": good[:ihdr_at - 4] + _chunk(b"IHDR", good[ihdr_at + 4:ihdr_at + 17] + b"\x00")
+        "a wrong IHDR length": good[:ihdr_at - 4] + _png_chunk(b"IHDR", good[ihdr_at + 4:ihdr_at + 17] + b"\x00")
         + good[ihdr_at + 21:],
         "not a PNG": b"GIF89a" + good[6:],
     }
@@ -174,8 +171,8 @@ def _split_idats(rgb: np.ndarray) -> bytes:
     data = zlib.compress(_filtered(rgb.reshape(rgb.shape[0], -1), 3, [0] * rgb.shape[0]))
     half = len(data) // 2
     ihdr = struct.pack(">IIBBBBB", rgb.shape[1], rgb.shape[0], 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", data[:half])
-            + _chunk(b"tEXt", b"a\x00b") + _chunk(b"IDAT", data[half:]) + _chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", data[:half])
+            + _png_chunk(b"tEXt", b"a\x00b") + _png_chunk(b"IDAT", data[half:]) + _png_chunk(b"IEND", b""))
 
 
 def test_the_engine_decodes_plain_pngs_without_opencv(monkeypatch):

@@ -239,6 +239,13 @@ def _batch_downloads() -> None:
     S.ThreadPoolExecutor = Executor
 
 
+def _opencv_png() -> None:
+    """The engine before ``images/png.py``: every PNG decoded by OpenCV."""
+    from shardprep.images import resize
+
+    resize.decode_png = lambda data: None
+
+
 def _decode_inline() -> None:
     """Each download thread decodes its own image (no hand-off to the decode threads)."""
     from shardprep.images import shards as S
@@ -273,10 +280,8 @@ def one_shard(side: str) -> None:
         from shardprep.images import resize
 
         resize._antialiased = _torch_downscale
-    elif side == "opencv-png":  # the engine before png.py: every PNG decoded by OpenCV
-        from shardprep.images import resize
-
-        resize.decode_png = lambda data: None
+    elif side == "opencv-png":
+        _opencv_png()
     t0 = time.perf_counter()
     r = _write_shard(_config(os.path.join(WORK, f"{side}-out"), respect_robots_txt=False))
     cpu = time.process_time()
@@ -306,10 +311,8 @@ def _pair_shard(args) -> dict:
         _decode_inline()
     elif side == "batch-downloads":
         _batch_downloads()
-    elif side == "opencv-png":  # the engine before png.py: every PNG decoded by OpenCV
-        from shardprep.images import resize
-
-        resize.decode_png = lambda data: None
+    elif side == "opencv-png":
+        _opencv_png()
     from drivers import _ours_shard
 
     return _ours_shard(job)
