@@ -23,7 +23,7 @@ from contextlib import closing
 from typing import Callable, Iterable, Iterator, NamedTuple, TypeVar
 
 from shardprep import waiting
-from shardprep.images.shards import ordered_map
+from shardprep.ordered import ordered_map
 from shardprep.storage import exists, remove
 from shardprep.tars import TarWriter, iter_samples
 

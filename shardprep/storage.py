@@ -254,8 +254,9 @@ def remove_temps_under(root_url: str) -> int:
 
 
 @contextlib.contextmanager
-def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
+def atomic_write(url: str, mode: str = "wb", buffering: int = -1) -> Iterator[IO]:
     """Write ``url`` so readers see either the old file or the complete new one, never a part.
+    ``buffering``: ``open``'s, for the local file written.
 
     An exception inside the block (or a kill) publishes nothing; the temp file goes with it (a kill's
     temp is removed by the next process that writes into its folder). Elsewhere than on local disk the
@@ -267,7 +268,7 @@ def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
         _sweep_once(os.path.dirname(path))
         tmp = _temp_name(path)
         try:
-            with open(tmp, mode) as f:
+            with open(tmp, mode, buffering) as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -279,7 +280,7 @@ def atomic_write(url: str, mode: str = "wb") -> Iterator[IO]:
         folder = _upload_dir()
         tmp = _temp_name(os.path.join(folder, "upload"))
         try:
-            with open(tmp, mode) as f:
+            with open(tmp, mode, buffering) as f:
                 yield f
             fs.put_file(tmp, path)
         finally:

@@ -40,6 +40,10 @@ _EXTENDED = (b"x", b"g", b"L", b"K")  # pax and GNU headers that describe the ne
 _SKIP_CHUNK = 1 << 20
 _ZERO_BLOCK = bytes(_BLOCK)
 _RECORD = 20 * _BLOCK  # tarfile.RECORDSIZE: a written tar's length is a multiple of it
+# a tar is written through a buffer this large: one system call (and one hand-off of the GIL, which
+# the writing thread then waits to get back from the download threads) every ~40 image samples, not
+# one a sample
+WRITE_BUFFER = 1 << 20
 # the USTAR header fields around name, size and mtime that never change here (TarWriter's owner and mode)
 _MODE_IDS = b"%07o\0%07o\0%07o\0" % (TAR_MODE, 0, 0)
 _TAIL = (b"0" + bytes(100) + b"ustar\x0000" + TAR_USER.encode().ljust(32, b"\0")
@@ -442,7 +446,7 @@ class TarWriter:
     def add(self, key: str, members: dict[str, bytes | str]) -> None:
         """Write one sample: members ``{key}.{ext}``, sorted by extension (str values as UTF-8)."""
         if self._file is None:
-            self._cm = storage.atomic_write(self.url)
+            self._cm = storage.atomic_write(self.url, buffering=WRITE_BUFFER)
             self._file = self._cm.__enter__()
         mtime = 0 if self.deterministic else int(time.time())
         parts = []

@@ -24,8 +24,9 @@ import pytest
 from shardprep import fetch as fetch_module
 from shardprep.config import config_from_dict
 from shardprep.fetch import DownloadsAborted, abort_all, fetch, make_pool
-from shardprep.images.shards import ordered_map, write_image_shard
+from shardprep.images.shards import write_image_shard
 from shardprep.layout import Layout
+from shardprep.ordered import ordered_map
 from shardprep.video.shards import write_video_shard
 from tests.fixtures.configs import CHECKOUT
 from tests.fixtures.services import rabbitmq_vhost  # noqa: F401 - fixture

@@ -6,6 +6,7 @@ not part of `make bench` (their findings are in bench/IMAGES.md).
     python bench/experiments/engine_overheads.py pair [--reps 3] [--sides threads,one-process,inline-2] [--server node]
     python bench/experiments/engine_overheads.py downscale
     python bench/experiments/engine_overheads.py one-shards [--reps 4] --sides threads,torch-kernel
+    python bench/experiments/engine_overheads.py switches
 
 All use the benchmark site (``bench/source.py``: 240 images, 10,000 URL rows with 5% broken) served from
 its own process, and write under ``bench/work/experiments``.
@@ -34,6 +35,9 @@ decode thread); ``opencv-png``: the engine before ``images/png.py``, every PNG d
 served by ``static_server.js`` (Node's HTTP server, files held in memory: ~0.15 CPU-ms a request against ~0.4
 for the Python fixture's), to see whether the server's share of the two cores holds the engine back.
 
+``switches``: one shard, and per group of its threads (the download threads, the decode threads, the writer)
+the context switches a row and the CPU seconds, read from ``/proc`` while it runs.
+
 ``downscale``: the engine's downscale (``resize._antialiased``: ``downscale.c``, written so that a download
 process never imports torch, 1.15-2.4 CPU-s) against torch's antialiased kernel, which it replaced, and
 the OpenCV candidates tried before it. The site's JPEGs that are downscaled, as the engine hands them to its
@@ -58,6 +62,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from urllib.parse import urlsplit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -143,11 +148,14 @@ _HEAD_END = re.compile(rb"\r\n\r\n")
 _LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 
 
-def _loop_downloads(work, items, threads, pool, shard):
-    """Stands in for ``shards.shard_downloads``: the outcomes in row order, every download on one thread."""
+def _loop_downloads(work, items, threads, pool, shard, then, then_threads):
+    """Stands in for ``shards.shard_downloads``: the outcomes in row order, every download on one thread,
+    the decodes on the engine's number of decode threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from shardprep.images.shards import _Outcome
 
-    decode = work.keywords["decode"]  # the engine's decoder.submit
+    decode = partial(ThreadPoolExecutor(then_threads).submit, then)
     items = list(items)
     futures = [Future() for _ in items]
     host = urlsplit(items[0])
@@ -204,7 +212,8 @@ def _loop_downloads(work, items, threads, pool, shard):
 
     threading.Thread(target=run, daemon=True).start()
     for f in futures:
-        yield f.result()
+        outcome = f.result()
+        yield outcome.result() if isinstance(outcome, Future) else outcome
 
 
 def _use_event_loop() -> None:
@@ -223,20 +232,17 @@ def _use_event_loop() -> None:
 def _batch_downloads() -> None:
     """The download threads under SCHED_BATCH: a download thread woken by its socket no longer preempts a
     running decode thread, it waits for the scheduler's tick (the decode threads keep their caches)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from shardprep.images import shards as S
 
-    def batch() -> None:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread only (a Linux task)
+    process_one, batched = S._process_one, threading.local()
 
-    class Executor(ThreadPoolExecutor):
-        def __init__(self, max_workers=None, thread_name_prefix="", **kw):
-            if thread_name_prefix == "shardprep-dl":
-                kw["initializer"] = batch
-            super().__init__(max_workers, thread_name_prefix, **kw)
+    def in_batch(url, **kw):
+        if not getattr(batched, "done", False):  # this thread only (a Linux task), at its first download
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            batched.done = True
+        return process_one(url, **kw)
 
-    S.ThreadPoolExecutor = Executor
+    S._process_one = in_batch
 
 
 def _opencv_png() -> None:
@@ -249,13 +255,17 @@ def _opencv_png() -> None:
 def _decode_inline() -> None:
     """Each download thread decodes its own image (no hand-off to the decode threads)."""
     from shardprep.images import shards as S
+    from shardprep.ordered import Handoff
 
-    process_one = S._process_one
+    shard_downloads = S.shard_downloads
 
-    def inline(url, *, download, decode, **kw):
-        return process_one(url, download=download, decode=decode.args[0], **kw)  # decode: partial(submit, fn)
+    def inline(work, items, threads, pool, shard, then, then_threads):
+        def work_and_decode(url):
+            outcome = work(url)
+            return then(*outcome.args) if isinstance(outcome, Handoff) else outcome
+        return shard_downloads(work_and_decode, items, threads, pool, shard)
 
-    S._process_one = inline
+    S.shard_downloads = inline
 
 
 def _torch_downscale(img, w: int, h: int):
@@ -289,6 +299,48 @@ def one_shard(side: str) -> None:
     print(json.dumps({"side": side, "successes": r.successes, "wall": round(time.perf_counter() - t0, 1),
                       "cpu": round(cpu, 2), "per_cpu_second": round(r.successes / cpu, 1),
                       "voluntary_switches": ru.ru_nvcsw, "involuntary_switches": ru.ru_nivcsw}), flush=True)
+
+
+def thread_switches() -> None:
+    """One shard in this process, its threads' context switches and CPU by group (the download threads,
+    the decode threads, the writer): read from /proc every 0.2 s, each thread's last reading kept."""
+    import collections
+
+    last: dict[int, tuple] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    ticks = f.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
+            except OSError:
+                continue  # ended meanwhile
+            group = names.get(tid, last.get(tid, ("other",))[0]).split("_")[0]
+            last[tid] = (group, int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]),
+                         int(ticks[0]) / os.sysconf("SC_CLK_TCK"), int(ticks[1]) / os.sysconf("SC_CLK_TCK"))
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            read()
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    watcher.start()
+    r = _write_shard(_config(os.path.join(WORK, "switches-out"), respect_robots_txt=False))
+    done.set()
+    watcher.join()
+    groups: dict = collections.defaultdict(lambda: [0, 0, 0, 0.0, 0.0])
+    for group, *values in last.values():
+        g = groups[group]
+        g[0] += 1
+        for k, v in enumerate(values, 1):
+            g[k] += v
+    print(json.dumps({"successes": r.successes, "cpu": round(time.process_time(), 2), "groups": {
+        name: {"threads": g[0], "voluntary_per_row": round(g[1] / ROWS, 2), "involuntary_per_row": round(g[2] / ROWS, 2),
+               "user_s": round(g[3], 2), "system_s": round(g[4], 2)} for name, g in sorted(groups.items())}}), flush=True)
 
 
 def one_shard_pairs(reps: int, sides: list[str]) -> None:
@@ -447,7 +499,8 @@ def downscale() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("split", "event-loop", "one-shards", "pair", "downscale", "one-shard", "pair-side"))
+    p.add_argument("what", choices=("split", "event-loop", "one-shards", "pair", "downscale", "switches", "one-shard",
+                                    "pair-side"))
     p.add_argument("side", nargs="?")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--sides", default="threads,event-loop", help="sides: threads, event-loop, one-process, inline-N, batch-downloads, opencv-png (pair); threads, "
@@ -473,6 +526,8 @@ def main() -> None:
             pair(url, site, a.reps, a.sides.split(","))
         elif a.what == "one-shards":
             one_shard_pairs(a.reps, a.sides.split(","))
+        elif a.what == "switches":
+            thread_switches()
         else:
             one_shard_pairs(a.reps, ["threads", "event-loop"])
     finally:

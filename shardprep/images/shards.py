@@ -29,8 +29,7 @@ import logging
 import os
 import queue
 import time
-from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,12 +38,13 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardprep import allocator, politeness, robots, waiting
+from shardprep import allocator, politeness, robots
 from shardprep.config import DatasetConfig
 from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.resize import resize_image
 from shardprep.keys import compute_key, shard_key
 from shardprep.layout import Layout
+from shardprep.ordered import Handoff, ordered_map
 from shardprep.sample_json import dumps_indented
 from shardprep.storage import atomic_write, remove
 from shardprep.takedown.lists import REMOVED, TakedownSet, takedown_set
@@ -132,10 +132,9 @@ def _exif_json(data: bytes) -> str | None:
 TAKEN_DOWN = object()  # the URL of a row a takedown list names: never requested
 
 
-def _process_one(url: Any, *, download: Callable, decode: Callable,
-                 taken_down_hashes: frozenset = frozenset()) -> _Outcome | Future:
-    """Download one URL (in a download thread) and hand its bytes to ``decode`` (``_decode`` on the shard's
-    decode threads): the future of its outcome, or the failure at once.
+def _process_one(url: Any, *, download: Callable, taken_down_hashes: frozenset = frozenset()) -> _Outcome | Handoff:
+    """Download one URL (in a download thread): its bytes and their sha256 handed on to ``_decode`` on the
+    shard's decode threads (``ordered.ordered_map``'s second stage), or the failure at once.
 
     The decode threads, one per core, take the downloads in the order they arrive: at most that many
     full-size images are decoded at once (memory), the cores are not oversubscribed by dozens of threads
@@ -151,7 +150,7 @@ def _process_one(url: Any, *, download: Callable, decode: Callable,
     digest = hashlib.sha256(data).hexdigest()
     if digest in taken_down_hashes:  # the bytes a takedown names (their sha256): dropped unread
         return _Outcome("failed_to_download", REMOVED)
-    return decode(data, digest)
+    return Handoff((data, digest))
 
 
 def _decode(data: bytes, digest: str, *, resize: Callable, extract_exif: bool) -> _Outcome:
@@ -192,50 +191,13 @@ def decode_slots(cfg: DatasetConfig) -> int:
     return max(1, cores)
 
 
-def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int,
-                on_abort: Callable[[], None] | None = None) -> Iterator:
-    """``map(fn, items)`` on ``threads`` threads, results in input order, at most ``max_in_flight``
-    submitted and not yet consumed (so finished-but-unwritten images cannot pile up in memory).
-
-    When the consumer stops early (an exception, e.g. a KeyboardInterrupt raised while it waits for a
-    result, or the generator closed before the end), queued items are cancelled and ``on_abort()`` is
-    called before the threads are waited for: it must make the running calls return at once (the
-    download pool's ``abort``), or leaving would wait for every one in flight (up to 3 x timeout).
-    """
-    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardprep-dl")
-    pending: deque = deque()
-    finished = False
-    try:
-        for item in items:
-            pending.append(executor.submit(fn, item))
-            if len(pending) >= max_in_flight:
-                yield waiting.result(pending.popleft())
-        while pending:
-            yield waiting.result(pending.popleft())
-        finished = True
-    finally:
-        _leave(executor, pending, None if finished else on_abort)
-
-
-def _leave(executor: ThreadPoolExecutor, pending: deque, on_abort: Callable[[], None] | None) -> None:
-    """Shut ``ordered_map``'s threads down: queued work never starts (cancelled first, so no thread
-    freed by the abort picks it up), running work is stopped by ``on_abort``, then joined."""
-    for fut in pending:
-        fut.cancel()
-    try:
-        if on_abort is not None:
-            on_abort()
-    finally:
-        # waited for: no thread outlives the call (they return quickly once aborted)
-        executor.shutdown(wait=True, cancel_futures=True)
-
-
-def shard_downloads(work: Callable, items: Iterable, threads: int, pool: AbortablePool, shard: str) -> Iterator:
-    """``ordered_map(work, items)`` over one shard's downloads on ``pool``, for its writer: closed early
+def shard_downloads(work: Callable, items: Iterable, threads: int, pool: AbortablePool, shard: str,
+                    **stages) -> Iterator:
+    """``ordered_map(work, items, **stages)`` over one shard's downloads on ``pool``, for its writer: closed early
     (an exception in the writer, an interrupt) it abandons the downloads in flight; once ``pool`` is
     aborted (``fetch.abort_all``: the process is stopping) it raises the shard's ``DownloadsAborted``
     instead of yielding, so an abandoned download's outcome is never recorded as the URL's own."""
-    with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort)) as results:
+    with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort, **stages)) as results:
         try:
             for outcome in results:
                 if pool.aborted:
@@ -293,15 +255,13 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     # robots.txt and the per-host limits, as for videos
     download = politeness.polite_downloader(download, cfg, pool=pool,
                                             deadline_seconds=default_deadline(cfg.timeout, cfg.retries))
-    decoder = ThreadPoolExecutor(max_workers=decode_slots(cfg), thread_name_prefix="shardprep-decode")
     decode = partial(_decode,
                      resize=partial(resize_image, image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                                     resize_only_if_bigger=cfg.resize_only_if_bigger, encode_format=cfg.encode_format,
                                     encode_quality=cfg.encode_quality, max_image_pixels=cfg.max_image_pixels,
                                     fast_decode=cfg.fast_decode),
                      extract_exif=cfg.extract_exif)
-    work = partial(_process_one, download=download, decode=partial(decoder.submit, decode),
-                   taken_down_hashes=frozenset(takedowns.entries["sha256"]))
+    work = partial(_process_one, download=download, taken_down_hashes=frozenset(takedowns.entries["sha256"]))
     names_out = schema.names  # a property that builds a new list at every call: once, not once a row
     out_cols: dict[str, list] = {name: [] for name in names_out}
     counts: Counter = Counter()
@@ -311,10 +271,9 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
         # would contradict the parquet). Any exception in here (an interrupt, an abort) drops the tar
         # and, closing the results, abandons the downloads in flight.
         with (TarWriter(layout.tar(shard), remove_stale=True) as tar,
-              closing(shard_downloads(work, urls, cfg.thread_count, pool, shard)) as results):
+              closing(shard_downloads(work, urls, cfg.thread_count, pool, shard,
+                                      then=decode, then_threads=decode_slots(cfg))) as results):
             for i, outcome in enumerate(results):
-                if isinstance(outcome, Future):
-                    outcome = waiting.result(outcome)
                 counts[outcome.status] += 1
                 status_dict[outcome.error if outcome.error is not None else "success"] += 1
                 meta: dict[str, Any] = {name: values[name][i] for name in names_in}
@@ -337,8 +296,6 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
                     members["txt"] = str(caption) if caption is not None else ""
                 tar.add(keys[i], members)
     finally:
-        # images still queued are dropped (an interrupt, an abort); those being decoded finish first
-        decoder.shutdown(wait=True, cancel_futures=True)
         pool.clear()
     tar_bytes, tar_written = tar.bytes_written, tar.count > 0
 
