@@ -75,7 +75,9 @@ def ordered_map(fn: Callable, items: Iterable, threads: int, max_in_flight: int,
     seconds: list[threading.Thread] = []
 
     def start(jobs: queue.SimpleQueue, call: Callable, first: bool, into: list, prefix: str) -> None:
-        t = threading.Thread(target=work, args=(jobs, call, first), name=f"{prefix}_{len(into)}")
+        # daemon: a generator dropped without being closed (its ``finally`` joins them) must not keep the
+        # interpreter from exiting, its threads waiting for items that never come
+        t = threading.Thread(target=work, args=(jobs, call, first), name=f"{prefix}_{len(into)}", daemon=True)
         t.start()
         into.append(t)
 

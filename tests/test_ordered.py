@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from contextlib import closing
@@ -127,3 +129,11 @@ def test_a_slow_item_further_on_does_not_hold_back_the_ones_before_it():
         early = time.monotonic() - start
         assert next(results) == 7
     assert early < 1.0, f"the first 7 items waited {early:.1f}s for item 7"
+
+
+def test_a_generator_left_unclosed_does_not_keep_the_interpreter_from_exiting():
+    code = ("from shardprep.ordered import Handoff, ordered_map\n"
+            "g = ordered_map(lambda i: Handoff((i,)), range(100), 4, 8, then=lambda i: i)\n"
+            "assert next(g) == 0\n")  # g stays referenced, suspended, until the interpreter goes
+    done = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
