@@ -192,12 +192,13 @@ def decode_slots(cfg: DatasetConfig) -> int:
 
 
 def shard_downloads(work: Callable, items: Iterable, threads: int, pool: AbortablePool, shard: str,
-                    **stages) -> Iterator:
-    """``ordered_map(work, items, **stages)`` over one shard's downloads on ``pool``, for its writer: closed early
-    (an exception in the writer, an interrupt) it abandons the downloads in flight; once ``pool`` is
-    aborted (``fetch.abort_all``: the process is stopping) it raises the shard's ``DownloadsAborted``
+                    then: Callable | None = None, then_threads: int = 1) -> Iterator:
+    """``ordered_map(work, items)`` over one shard's downloads on ``pool`` (with ``then``, its second stage:
+    the image shards' decodes), for its writer: closed early (an exception in the writer, an interrupt) it
+    abandons the downloads in flight; once ``pool`` is aborted (``fetch.abort_all``: the process is stopping) it raises the shard's ``DownloadsAborted``
     instead of yielding, so an abandoned download's outcome is never recorded as the URL's own."""
-    with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort, **stages)) as results:
+    with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort, then=then,
+                             then_threads=then_threads)) as results:
         try:
             for outcome in results:
                 if pool.aborted:
