@@ -435,7 +435,7 @@ def test_a_celery_warm_shutdown_abandons_the_downloads_and_the_worker_exits(tmp_
 
 _SIGNAL_ON_A_WORKER = """
 import os, signal, sys, threading, time
-from shardprep.images.shards import ordered_map
+from shardprep.ordered import ordered_map
 
 stop, workers = threading.Event(), []
 

@@ -195,8 +195,9 @@ def shard_downloads(work: Callable, items: Iterable, threads: int, pool: Abortab
                     then: Callable | None = None, then_threads: int = 1) -> Iterator:
     """``ordered_map(work, items)`` over one shard's downloads on ``pool`` (with ``then``, its second stage:
     the image shards' decodes), for its writer: closed early (an exception in the writer, an interrupt) it
-    abandons the downloads in flight; once ``pool`` is aborted (``fetch.abort_all``: the process is stopping) it raises the shard's ``DownloadsAborted``
-    instead of yielding, so an abandoned download's outcome is never recorded as the URL's own."""
+    abandons the downloads in flight; once ``pool`` is aborted (``fetch.abort_all``: the process is
+    stopping) it raises the shard's ``DownloadsAborted`` instead of yielding, so an abandoned download's
+    outcome is never recorded as the URL's own."""
     with closing(ordered_map(work, items, threads, 2 * threads, on_abort=pool.abort, then=then,
                              then_threads=then_threads)) as results:
         try:
