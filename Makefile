@@ -48,6 +48,8 @@ demo: setup
 	$(PY) -m demo.run_demo
 
 # Two test processes, a file each at a time: most long tests wait on subprocesses, servers and daemons.
+# (Four: 760 s against 810 s on a 2-core AMD EPYC, 2026-12-06, for 10% more CPU; not worth the timing-
+# sensitive tests sharing the cores.)
 # Files go out in tests/conftest.py's order, the longest first (SLOW_FIRST), not xdist's (most tests first).
 # The 25 slowest tests are listed at the end (CI logs: where the suite's time goes on a slower machine).
 test: setup
