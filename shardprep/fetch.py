@@ -185,10 +185,19 @@ class _Reply:
     body runs to the close; HTTP/1.0 keep-alive) and its exceptions (``IncompleteRead``, ``LineTooLong``).
     http.client's own response reads through a buffered file and several layers per read: ~0.2 ms of CPU
     a download on the benchmark site, where this reads the head in one or two ``recv`` calls and a body
-    with a known length into one buffer of its size (``bench/IMAGES.md``)."""
+    with a known length into one buffer of its size (``bench/IMAGES.md``).
+
+    On a plain socket (blocking, its timeout kept by the kernel: ``_kernel_timeout``) the head is
+    peeked at and only its own bytes taken, so the body is still all in the socket; a body of known
+    length then comes in one ``recv(n, MSG_WAITALL)``: the kernel fills one new ``bytes`` object of the
+    body's size as the data arrives, where a read into a buffer would zero it first and copy it out
+    after, and wakes the thread once, not at each segment (~40 us of CPU a 240 KB body, bench/IMAGES.md).
+    A TLS socket takes no flags: it reads as before."""
 
     def __init__(self, sock: socket.socket, deadline: float = math.inf) -> None:
         self._sock = sock
+        # an SSLSocket refuses recv flags; a plain one without its own timeout is blocking (_kernel_timeout)
+        self._plain = not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is None
         self._buf = b""  # read from the socket, not consumed yet
         self.closed = False  # the body was read to its end
         while True:
@@ -239,6 +248,7 @@ class _Reply:
         that trickles in fails at ``deadline``, as a body does."""
         buf = self._buf
         start = 0
+        peek = self._plain and not buf
         while True:
             end = _HEAD_END.search(buf, start)
             if end is not None:
@@ -249,7 +259,13 @@ class _Reply:
             if buf and time.monotonic() > deadline:
                 raise _Failed("timed out")
             start = max(0, len(buf) - 3)
-            data = self._recv()
+            if peek:  # take what is in the socket only up to the head's end (or all of it, none there)
+                data = self._sock.recv(_RECV, socket.MSG_PEEK)
+                if data:
+                    end = _HEAD_END.search(buf[start:] + data)
+                    data = self._sock.recv(len(data) if end is None else end.end() - (len(buf) - start))
+            else:
+                data = self._recv()
             if not data:
                 self._buf = b""
                 return buf  # the EOF ends the head (http.client: the status line decides)
@@ -300,6 +316,8 @@ class _Reply:
         if len(have) == n:
             self.closed = n == self.length
             return have
+        if self._plain:
+            return self._read_waiting(n, have, deadline)
         out = bytearray(n)
         out[:len(have)] = have
         view, got = memoryview(out), len(have)
@@ -312,6 +330,24 @@ class _Reply:
             got += k
         self.closed = n == self.length
         return bytes(out)
+
+    def _read_waiting(self, n: int, have: bytes, deadline: float) -> bytes:
+        """The rest of a body of ``n`` bytes (``have`` read already) by ``MSG_WAITALL`` reads: each returns
+        when all is in, or with what came when the socket's timeout, the EOF or ``abort()``'s shutdown
+        ends its wait; ``deadline`` is checked between them, as between any reads. Each read still waits
+        at most the timeout, but one that got part of the body returns it instead of failing, so a server
+        may pause for up to twice the timeout between two bytes (the URL's deadline bounds it all)."""
+        parts, got = ([have] if have else []), len(have)
+        while got < n:
+            if time.monotonic() > deadline:
+                raise _Failed("timed out")
+            data = self._sock.recv(n - got, socket.MSG_WAITALL)
+            if not data:
+                raise http.client.IncompleteRead(b"".join(parts), n - got)
+            parts.append(data)
+            got += len(data)
+        self.closed = n == self.length
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _to_close(self, deadline: float) -> Iterator[bytes]:
         if self._buf:

@@ -184,16 +184,19 @@ def _parsed(read) -> tuple:
         return type(e).__name__
 
 
+@pytest.mark.parametrize("plain", [True, False], ids=["kernel-timeout", "python-timeout"])
 @pytest.mark.parametrize("seed", range(60))
-def test_response_reading_equals_http_clients(seed):
+def test_response_reading_equals_http_clients(seed, plain):
     """fetch reads responses off the socket itself (``_Reply``): status, reason, version, headers, whether
-    the connection may be kept, the body and the exception of a bad answer are http.client's."""
+    the connection may be kept, the body and the exception of a bad answer are http.client's. Both ways
+    it reads: a plain connection's blocking socket (the head peeked at, a body of known length in
+    ``MSG_WAITALL`` reads) and a socket with Python's own timeout, as TLS reads."""
     import http.client
     import io
     import random
     import socket
 
-    from shardprep.fetch import _Reply
+    from shardprep.fetch import _kernel_timeout, _Reply
 
     raw = _response(random.Random(seed))
 
@@ -210,9 +213,14 @@ def test_response_reading_equals_http_clients(seed):
     def ours():
         a, b = socket.socketpair()
 
-        def serve():  # the server's side: the response, then the close
+        cuts = sorted(random.Random(seed).sample(range(1, 200), 8)) if seed % 2 else []  # the head in pieces
+
+        def serve():  # the server's side: the response (at times its start in pieces), then the close
             try:
-                b.sendall(raw)
+                for start, end in zip([0, *cuts], [*cuts, len(raw)]):
+                    b.sendall(raw[start:end])
+                    if end < len(raw):
+                        time.sleep(0.002)  # each piece its own read
                 b.shutdown(socket.SHUT_WR)
             except OSError:
                 pass  # the client stopped reading (a bad status line) and left
@@ -220,8 +228,12 @@ def test_response_reading_equals_http_clients(seed):
         writer = threading.Thread(target=serve, daemon=True)
         writer.start()
         try:
-            a.settimeout(5)
+            if plain:
+                _kernel_timeout(a, 5)
+            else:
+                a.settimeout(5)
             resp = _Reply(a)
+            assert resp._plain == plain
             head = (resp.status, resp.reason, resp.version, resp.will_close, resp.headers.items())
             return head, resp.read(1 << 30, time.monotonic() + 30)
         finally:
@@ -322,5 +334,75 @@ def test_a_kept_connection_reads_with_one_system_call_and_each_downloads_own_tim
     finally:
         served.set()
         pool.clear()
+        listener.close()
+        thread.join(5)
+
+
+def _one_answer(send) -> tuple[str, threading.Event, threading.Thread, object]:
+    """A server on 127.0.0.1 that answers one request with ``send(conn, stop)``; (url, stop, thread, listener)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                send(conn, stop)
+            except OSError:
+                pass  # the client left
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/x", stop, thread, listener
+
+
+@pytest.mark.parametrize("pause, whole", [(0.2, True), (0.6, True), (30, False)])
+def test_a_body_that_pauses_is_read_whole_within_its_deadline_and_one_that_stops_times_out(pause, whole):
+    """A plain connection reads a body of known length in ``MSG_WAITALL`` reads, each bounded by the read
+    timeout (0.5 s here): a pause shorter than that costs nothing; a longer one ends a read with what came,
+    and the next read waits again (0.6 s: the body still arrives, in two reads joined); a server that stops
+    fails as "timed out" by the URL's deadline (3 x 0.5 s), as before."""
+    body = os.urandom(300_000)
+
+    def send(conn, stop):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:120_000])
+        if stop.wait(pause):
+            return
+        conn.sendall(body[120_000:])
+        stop.wait(10)
+
+    url, stop, thread, listener = _one_answer(send)
+    try:
+        t0 = time.monotonic()
+        got = fetch(url, pool=make_pool(1), timeout=0.5, allow_private=True)
+        elapsed = time.monotonic() - t0
+        if whole:
+            assert got == (body, None) and elapsed < pause + 1
+        else:
+            assert got == (None, "timed out") and 0.9 < elapsed < 2.5
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
+def test_a_body_cut_short_by_the_close_is_a_broken_connection_not_a_hang():
+    def send(conn, stop):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 40_000)
+        conn.shutdown(socket.SHUT_WR)
+
+    import socket
+
+    url, stop, thread, listener = _one_answer(send)
+    try:
+        t0 = time.monotonic()
+        data, error = fetch(url, pool=make_pool(1), timeout=5, allow_private=True)
+        assert data is None and error.startswith("connection broken: IncompleteRead(40000 bytes read, 60000 more")
+        assert time.monotonic() - t0 < 2
+    finally:
+        stop.set()
         listener.close()
         thread.join(5)

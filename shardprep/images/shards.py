@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardprep import allocator, politeness, robots
+from shardprep import allocator, arrow_lists, politeness, robots
 from shardprep.config import DatasetConfig
 from shardprep.fetch import AbortablePool, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.resize import resize_image
@@ -302,7 +302,7 @@ def write_image_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, layout
     tar_bytes, tar_written = tar.bytes_written, tar.count > 0
 
     with atomic_write(layout.shard_parquet(shard)) as f:
-        pq.write_table(pa.Table.from_pydict(out_cols, schema=schema), f)
+        pq.write_table(arrow_lists.table(out_cols, schema), f)
 
     end_time = time.time()
     stats = {

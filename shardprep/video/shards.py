@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from shardprep import politeness
+from shardprep import arrow_lists, politeness
 from shardprep.config import DatasetConfig
 from shardprep.fetch import ABANDONED, DownloadsAborted, abandoned_shard, default_deadline, fetch, make_pool
 from shardprep.images.shards import TAKEN_DOWN, Slots, header_rules, shard_downloads
@@ -297,7 +297,7 @@ def write_video_shard(table: pa.Table, shard_id: int, cfg: DatasetConfig, out_di
     finally:
         pool.clear()
 
-    write_parquet(parquet_url, pa.Table.from_pydict(rows, schema=schema))
+    write_parquet(parquet_url, arrow_lists.table(rows, schema))
 
     end_time = time.time()
     stats = {
