@@ -307,20 +307,12 @@ def test_a_kept_connection_reads_with_one_system_call_and_each_downloads_own_tim
     import socket
     import struct
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    served = threading.Event()
+    def send(conn, served):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY)
+        conn.recv(65536)  # the second request: never answered
+        served.wait(10)
 
-    def answer_once():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY)
-            conn.recv(65536)  # the second request: never answered
-            served.wait(10)
-
-    thread = threading.Thread(target=answer_once, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+    url, served, thread, listener = _one_answer(send)
     pool = make_pool(1)
     try:
         assert fetch(url, pool=pool, timeout=5, allow_private=True) == (BODY, None)
