@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shardprep import state
+from shardprep import arrow_lists, state
 from shardprep.artifacts import ARTIFACTS, enabled
 from shardprep.config import config_url, load_config
 from shardprep.layout import Layout
@@ -62,20 +62,20 @@ def _shard_status(name: str, st: state.ArtifactState, keys, version: str, upstre
     running shards become Python objects (580,000 shards: a Python set per asset cost seconds)."""
     t = st.table.filter(pc.is_in(st.table.column("shard"), value_set=keys))
     versions = t.column("version")
-    is_current = pc.fill_null(pc.equal(versions, version), False)
-    is_other = pc.fill_null(pc.not_equal(versions, version), False)
+    is_current = arrow_lists.is_value(versions, version)
+    is_other = arrow_lists.is_other_value(versions, version)
     # the last attempt failed (a blocking check included), or an upstream shard's did and this one waits
     failed = set(t.filter(pc.is_valid(t.column("failure"))).column("shard").to_pylist())
     if upstream_failed:  # those of this asset's shards, unless complete here all the same
-        waiting = pa.array(sorted(upstream_failed), pa.string())
+        waiting = arrow_lists.array(sorted(upstream_failed), pa.string())
         waiting = waiting.filter(pc.is_in(waiting, value_set=keys))
         current = t.filter(pc.and_(is_current, pc.is_in(t.column("shard"), value_set=waiting)))
         failed |= set(waiting.to_pylist()) - set(current.column("shard").to_pylist())
     running = {r["shard"] for r in t.filter(pc.is_valid(t.column("started_at"))).select(["shard", "worker"]).to_pylist()
                if _running(r["worker"])} - failed
-    special = t.filter(pc.is_in(t.column("shard"), value_set=pa.array(sorted(failed | running), pa.string())))
-    done_special = special.filter(pc.fill_null(pc.equal(special.column("version"), version), False)).num_rows
-    other_special = special.filter(pc.fill_null(pc.not_equal(special.column("version"), version), False)).num_rows
+    special = t.filter(pc.is_in(t.column("shard"), value_set=arrow_lists.array(sorted(failed | running), pa.string())))
+    done_special = special.filter(arrow_lists.is_value(special.column("version"), version)).num_rows
+    other_special = special.filter(arrow_lists.is_other_value(special.column("version"), version)).num_rows
     written = pc.max(t.filter(pc.is_valid(versions)).column("written_at")).as_py()
     return AssetStatus(name, True, total=len(keys),
                        materialized=(pc.sum(is_current).as_py() or 0) - done_special,
@@ -110,7 +110,7 @@ def asset_statuses(config_path: str) -> list[AssetStatus]:
             continue
         medias = tuple(m for m in by_media if record.applies(m))
         if medias not in key_arrays:
-            key_arrays[medias] = pa.array([k for m in medias for k in by_media[m]], pa.string())
+            key_arrays[medias] = arrow_lists.array([k for m in medias for k in by_media[m]], pa.string())
         keys = key_arrays[medias]
         upstream = set().union(*(failed_by.get(p, set()) for p in record.parents))
         s = _shard_status(name, st, keys, versions[name], upstream)

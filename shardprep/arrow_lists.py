@@ -3,16 +3,20 @@
 ``pa.array(list)`` (and ``pa.table``, ``Table.from_pydict``, which call it) asks pyarrow's pandas shim
 whether the list is a pandas object, and the shim imports pandas to answer: 0.27-0.35 CPU-seconds
 once per process (pandas, then ``pyarrow.compute`` from its Arrow accessors), which a download
-process pays for its one parquet of 10,000 rows (bench/IMAGES.md). Strings and integers, the
-columns the shard writers make, are built here from their buffers (offsets, bytes, validity bitmap),
-the same arrays ``pa.array`` gives; any other type, or values these builders do not take, go to
-``pa.array`` as before.
+process pays for its one parquet of 10,000 rows, and any process that reads the state index
+(``shardprep status``, a run's first shard step) for a few comparisons (bench/IMAGES.md). Strings,
+integers and float64, the columns the shard writers and the state index make, are built here from
+their buffers (offsets, bytes, validity bitmap), the same arrays ``pa.array`` gives; any other type, or
+values these builders do not take, go to ``pa.array`` as before. A Python scalar in a compute call
+(``pc.equal(column, "v1")``, and ``pa.scalar`` itself) goes through the same shim: ``is_value`` compares
+without one.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 _INTEGERS = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
              pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32, pa.uint64(): np.uint64}
@@ -25,15 +29,31 @@ def table(columns: dict[str, list], schema: pa.Schema) -> pa.Table:
 
 
 def array(values: list, type: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """``pa.array(values, type)``: the same values and nulls, without pandas for strings and integers."""
+    """``pa.array(values, type)``: the same values and nulls, without pandas for strings, integers and float64."""
     try:
         if type == pa.string():
             return _strings(values)
         if type in _INTEGERS:
             return _integers(values, type)
+        if type == pa.float64():
+            return _floats(values)
     except (AttributeError, TypeError, ValueError, OverflowError):
         pass  # not all str / int (or out of range): pyarrow converts, or raises its own error
     return pa.array(values, type)
+
+
+def is_value(column: pa.Array | pa.ChunkedArray, value) -> pa.Array | pa.ChunkedArray:
+    """``column == value`` with nulls False: ``pc.fill_null(pc.equal(column, value), False)``, whose Python
+    scalars pyarrow converts through the same pandas shim (``pa.scalar`` imports pandas too)."""
+    # a None value: pc.equal gives nulls, so all False; a null in the value set would match the nulls
+    return pc.is_in(column, value_set=array([] if value is None else [value], column.type))
+
+
+def is_other_value(column: pa.Array | pa.ChunkedArray, value) -> pa.Array | pa.ChunkedArray:
+    """``column != value`` with nulls False (``pc.fill_null(pc.not_equal(column, value), False)``)."""
+    if value is None:  # pc.not_equal against a null is null throughout: all False
+        return is_value(column, None)
+    return pc.and_(pc.is_valid(column), pc.invert(is_value(column, value)))
 
 
 def _validity(values: list) -> tuple[pa.Buffer | None, int]:
@@ -66,3 +86,11 @@ def _integers(values: list, arrow_type: pa.DataType) -> pa.Array:
     data = wide.astype(dtype)
     bitmap, nulls = _validity(values)
     return pa.Array.from_buffers(arrow_type, len(values), [bitmap, pa.py_buffer(data)], null_count=nulls)
+
+
+def _floats(values: list) -> pa.Array:
+    if not all(v is None or type(v) is float for v in values):
+        raise TypeError("not all float")  # ints, numpy scalars, ...: pyarrow's own rules decide
+    data = np.fromiter((0.0 if v is None else v for v in values), np.float64, len(values))
+    bitmap, nulls = _validity(values)
+    return pa.Array.from_buffers(pa.float64(), len(values), [bitmap, pa.py_buffer(data)], null_count=nulls)

@@ -38,6 +38,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shardprep import arrow_lists
 from shardprep.artifacts import ARTIFACTS
 from shardprep.layout import Layout
 from shardprep.storage import exists, lock, read_parquet, url_to_fs, write_bytes, write_parquet
@@ -132,7 +133,8 @@ def _read_entries(layout: Layout, files: list[str]) -> list[dict]:
 
 
 def _empty() -> pa.Table:
-    return SCHEMA.empty_table()
+    # not SCHEMA.empty_table(): it imports pandas, as pa.array of a list does (shardprep.arrow_lists)
+    return arrow_lists.table(dict.fromkeys(SCHEMA.names, []), SCHEMA)
 
 
 def _read_table(layout: Layout, artifact: str, columns: list[str] | None = None) -> pa.Table:
@@ -146,7 +148,7 @@ def _apply(table: pa.Table, entries: list[dict]) -> pa.Table:
     """``table`` with ``entries`` (one artifact's, in time order) applied: the rows they touch are
     rebuilt in Python, the rest stays columnar (a fold at 580,000 shards touches a few)."""
     touched = list(dict.fromkeys(e["s"] for e in entries))
-    mask = pc.is_in(table.column("shard"), value_set=pa.array(touched, pa.string()))
+    mask = pc.is_in(table.column("shard"), value_set=arrow_lists.array(touched, pa.string()))
     rows = {r["shard"]: r for r in table.filter(mask).to_pylist()}
     for e in entries:
         row = rows.setdefault(e["s"], {"shard": e["s"], **dict.fromkeys(_FIELDS)})
@@ -168,7 +170,7 @@ def _apply(table: pa.Table, entries: list[dict]) -> pa.Table:
             row.update(started_at=t, worker=e["worker"])
     # a removed shard's row stays (with the removal's time) so an older entry applied later loses to it
     kept = [r for r in rows.values() if any(r[f] is not None for f in _FIELDS)]
-    new = pa.Table.from_pylist(kept, schema=SCHEMA)
+    new = arrow_lists.table({name: [r[name] for r in kept] for name in SCHEMA.names}, SCHEMA)
     merged = pa.concat_tables([table.filter(pc.invert(mask)), new])
     return merged.sort_by("shard")
 
@@ -330,7 +332,7 @@ class ArtifactState:
         return dict(zip(t.column("shard").to_pylist(), t.column("version").to_pylist()))
 
     def complete(self, version: str) -> set[str]:
-        t = self.table.filter(pc.equal(self.table.column("version"), version))
+        t = self.table.filter(arrow_lists.is_value(self.table.column("version"), version))
         return set(t.column("shard").to_pylist())
 
     def complete_among(self, keys: list[str], version: str) -> set[str]:
@@ -339,8 +341,8 @@ class ArtifactState:
         if not keys or not self.table.num_rows:
             return set()
         t = self.table
-        mask = pc.and_(pc.is_in(t.column("shard"), value_set=pa.array(keys, pa.string())),
-                       pc.fill_null(pc.equal(t.column("version"), version), False))
+        mask = pc.and_(pc.is_in(t.column("shard"), value_set=arrow_lists.array(keys, pa.string())),
+                       arrow_lists.is_value(t.column("version"), version))
         return set(t.filter(mask).column("shard").to_pylist())
 
     def failures(self) -> dict[str, str]:
@@ -354,7 +356,7 @@ class ArtifactState:
         return {r["shard"]: (r["started_at"], r["worker"]) for r in t.to_pylist()}
 
     def row(self, shard: str) -> dict | None:
-        t = self.table.filter(pc.equal(self.table.column("shard"), shard))
+        t = self.table.filter(arrow_lists.is_value(self.table.column("shard"), shard))
         return t.to_pylist()[0] if t.num_rows else None
 
     def outputs(self, shard: str, layout: Layout) -> dict[str, int] | None:
@@ -389,11 +391,11 @@ def incomplete(ledger, states: dict[str, ArtifactState], versions: dict[str, str
     (one of ``states``) are not complete at its version, for the shards of the media it applies to: a
     shard new to a block, one redone by ``verify`` or ``reshard``, one whose step died with its process.
     Compared in Arrow: at 580,000 shards a Python set per artifact costs seconds."""
-    keys = {m: pa.array(k, pa.string()) for m, k in ledger.keys_by_media().items() if k}
+    keys = {m: arrow_lists.array(k, pa.string()) for m, k in ledger.keys_by_media().items() if k}
     out: dict[str, list[str]] = {}
     for name, st in states.items():
         t = st.table
-        current = t.filter(pc.fill_null(pc.equal(t.column("version"), versions[name]), False)).column("shard")
+        current = t.filter(arrow_lists.is_value(t.column("version"), versions[name])).column("shard")
         for media, arr in keys.items():
             if ARTIFACTS[name].applies(media):
                 for key in arr.filter(pc.invert(pc.is_in(arr, value_set=current))).to_pylist():

@@ -1,9 +1,11 @@
 """Arrow arrays from Python lists without pandas (``shardprep.arrow_lists``): the arrays ``pa.array`` gives."""
 
+import math
 import subprocess
 import sys
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from shardprep import arrow_lists
@@ -27,6 +29,18 @@ def test_integers_are_pyarrows(values, arrow_type):
     assert got.type == arrow_type and got.equals(pa.array(values, arrow_type))
 
 
+@pytest.mark.parametrize("values", [[1.5, None, -0.0, float("inf"), 1e300, 5e-324], [None], [], [0.1]])
+def test_floats_are_pyarrows(values):
+    got = arrow_lists.array(values, pa.float64())
+    got.validate(full=True)
+    assert got.equals(pa.array(values, pa.float64())) and got.null_count == values.count(None)
+
+
+def test_a_nan_stays_a_value_not_a_null():
+    got = arrow_lists.array([float("nan"), None], pa.float64())
+    assert got.null_count == 1 and math.isnan(got[0].as_py()) and not got[0].as_py() == got[0].as_py()
+
+
 @pytest.mark.parametrize("values, arrow_type", [([2**31], pa.int32()), ([-1], pa.uint32()), ([2**64], pa.int64())])
 def test_out_of_range_integers_fail_as_pyarrow_fails(values, arrow_type):
     # numpy 1.x would wrap 2**31 to -2**31 without a word: pyarrow's own conversion decides
@@ -37,7 +51,8 @@ def test_out_of_range_integers_fail_as_pyarrow_fails(values, arrow_type):
 
 
 @pytest.mark.parametrize("values, arrow_type", [
-    ([1.5, None], pa.float64()), ([True, None], pa.bool_()), ([[1, 2], None], pa.list_(pa.int64())),
+    ([1, None], pa.float64()), ([2**60 + 1], pa.float64()),  # ints in a float column: pyarrow's rules
+    ([1.5, None], pa.float32()), ([True, None], pa.bool_()), ([[1, 2], None], pa.list_(pa.int64())),
     ([True, 2], pa.int64()),  # a bool among ints: pyarrow's rules, not ours
 ])
 def test_other_values_go_to_pyarrow(values, arrow_type):
@@ -48,6 +63,20 @@ def test_other_values_go_to_pyarrow(values, arrow_type):
             arrow_lists.array(values, arrow_type)
     else:
         assert arrow_lists.array(values, arrow_type).equals(want)
+
+
+@pytest.mark.parametrize("column", [
+    pa.array(["v1", None, "v2", "v1"]), pa.chunked_array([["v1", None], [], ["v2", "v1"]]), pa.array([], pa.string()),
+    pa.array([None, None], pa.string()), pa.array([1.5, None, 2.0]),
+])
+@pytest.mark.parametrize("value", ["v1", "v3", 1.5, None])
+def test_value_masks_are_pyarrows_with_nulls_false(column, value):
+    if value is not None and isinstance(value, str) != (column.type == pa.string()):
+        return  # a string against floats: not a comparison the index makes
+    want = pc.fill_null(pc.equal(column, pa.scalar(value, column.type)), False)
+    want_other = pc.fill_null(pc.not_equal(column, pa.scalar(value, column.type)), False)
+    assert arrow_lists.is_value(column, value).to_pylist() == want.to_pylist()
+    assert arrow_lists.is_other_value(column, value).to_pylist() == want_other.to_pylist()
 
 
 def test_a_non_string_in_a_string_column_fails_as_pyarrow_fails():

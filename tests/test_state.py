@@ -158,3 +158,25 @@ def test_restamped_sizes_reach_the_index(tmp_path):
     st = state.load(layout, ["clip_embeddings"])["clip_embeddings"]
     assert st.outputs("00000", layout) == {f"{layout.root}/clip_embeddings/00000.bin": 11}
     assert state.stamps_equal_index(layout, ["clip_embeddings"]) == {}
+
+
+def test_reading_and_folding_the_index_imports_no_pandas(tmp_path):
+    """Every shard step reads the index (``complete_among``), ``status`` and the runner fold it: with
+    ``pa.array`` of a list or ``Table.from_pylist`` each of those processes imported pandas (~0.2 CPU-s)."""
+    code = (
+        "import sys\nfrom shardprep import state\nfrom shardprep.layout import Layout\n"
+        "from shardprep.versions import write_stamp\n"
+        "layout = Layout(sys.argv[1])\nstate.ensure(layout)\n"
+        "for k in ('00000', '00001'):\n"
+        "    write_stamp(layout, 'image_shards', 'v1', k, {layout.root + '/image_shards/' + k + '.tar': 3})\n"
+        "state.record_failed(layout, 'image_shards', '00002', 'boom')\n"
+        "state.record_started(layout, 'image_shards', ['00003'])\n"
+        "st = state.load(layout, ['image_shards'], fold_first=False)['image_shards']\n"  # the journal applied in memory
+        "among = st.complete_among(['00000', '00002', '00009'], 'v1')\n"
+        "folded = state.fold(layout)\n"
+        "after = state.load(layout, ['image_shards'])['image_shards']\n"
+        "print(sorted(among), folded, after.table.equals(st.table), sorted(after.failures()), 'pandas' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=CHECKOUT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['00000']", "4", "True", "['00002']", "False"]
