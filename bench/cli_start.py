@@ -5,7 +5,8 @@
 
 Runs the demo first when its dataset is not there. Each command is a fresh process (what a user waits
 for: interpreter start, imports, reading the state index); the median of the repetitions is reported,
-and which heavy modules each one imported (none of Dagster, torch, transformers, faiss, PyAV, OpenCV).
+and which heavy modules each one imported (none of Dagster, torch, transformers, faiss, PyAV, OpenCV,
+pandas).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = CHECKOUT / "demo" / "work" / "shardprep.yaml"
-HEAVY = ("dagster", "torch", "transformers", "faiss", "av", "cv2")
+HEAVY = ("dagster", "torch", "transformers", "faiss", "av", "cv2", "pandas")
 COMMANDS = {"status on the demo": ["status", "--config", str(DEMO_CONFIG)], "--help": ["--help"],
             "verify --help": ["verify", "--help"]}
 FLOOR_SECONDS = 1.5  # status on the demo
