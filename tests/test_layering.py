@@ -128,13 +128,13 @@ def test_the_shardprep_command_is_the_dagster_sides():
     assert out.returncode == 0 and "reshard" in out.stdout
 
 
-HEAVY = ("dagster", "torch", "transformers", "faiss", "av", "cv2")
+HEAVY = ("dagster", "torch", "transformers", "faiss", "av", "cv2", "pandas")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"], ["status"]])
 def test_status_and_help_import_no_dagster_and_no_engine(tmp_path, argv):
     """`shardprep status` reads the state index (shardprep.state); it and the help texts never import
-    Dagster, torch, transformers, faiss, PyAV or OpenCV (issue 20, item 7)."""
+    Dagster, torch, transformers, faiss, PyAV, OpenCV (issue 20, item 7) or pandas."""
     (tmp_path / "c.yaml").write_text(f"source: {tmp_path}/none/*.parquet\noutput_root: {tmp_path}/out\n")
     if argv == ["status"]:
         argv = ["status", "--config", str(tmp_path / "c.yaml")]
