@@ -570,29 +570,31 @@ def rows_for(name: str, r: dict) -> list[list[str]]:
                  f"({LIMIT_WORK['images']}), images per CPU-second (median; measured right before and right "
                  "after each run of ours)",
                  _fmt(lim["per_cpu_second"]), "", "", "", ""],
-                ["", "successful images per CPU-second, whole run; shardprep: share of the limit (median over "
-                 f"{len(lim['shares'])} runs of ours, the pair's and more, each against the mean of the limit "
-                 "measured right before and right after it)",
-                 f"{_fmt(ours_img_cpu)} ({lim['share'] * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
+                # the floor as issue 22 words it ("80% of the per-core limit in rows per CPU-second") and counts
+                # it (2.5 x img2dataset's 67.3 input rows per CPU-second = 168 = 80% of a 210 images-per-CPU-second
+                # limit): input rows against the limit's images, broken rows counted as rows
+                ["", "input rows per CPU-second, whole run; shardprep: share of the limit as issue 22 counts it "
+                 f"(rows against the limit's images; median over {len(lim['shares_rows'])} runs of ours, the pair's "
+                 "and more, each against the mean of the limit measured right before and right after it)",
+                 f"{_fmt(_rate(rows_n, o['cpu']))} ({lim['share_rows'] * 100:.0f}%)", _fmt(_rate(rows_n, t["cpu"])),
                  f"{cpu_ratio:.2f}x", f">= {share_floor * 100:.0f}% of the limit",
-                 "PASS" if lim["share"] >= share_floor else "FAIL"],
+                 "PASS" if lim["share_rows"] >= share_floor else "FAIL"],
+                # stricter, beside it: the successful images alone (the broken rows' cost stays in the CPU)
+                ["", "information, stricter: successful images per CPU-second, whole run; shardprep: share of the "
+                 "limit (the same runs)",
+                 f"{_fmt(ours_img_cpu)} ({lim['share'] * 100:.0f}%)", _fmt(_rate(t["count"], t["cpu"])),
+                 f"{cpu_ratio:.2f}x", "", ""],
                 # the loop's own rate leaves out its imports and reading; the engine's steady state leaves out
-                # its start-up too: the like-for-like share, given beside the judged (whole-run) one
-                ["", "successful images per CPU-second, steady state; shardprep: share of the limit",
+                # its start-up too: the like-for-like share
+                ["", "information: successful images per CPU-second, steady state; shardprep: share of the limit",
                  f"{_fmt(ours_img_steady)} ({ours_img_steady / lim['per_cpu_second'] * 100:.0f}%)",
                  _fmt(_rate(t["count"], st["cpu"])), f"{st['cpu'] / so['cpu']:.2f}x", "", ""],
                 # not the floor's limit: the issue's loop is the pixels' work; this one adds the two columns
                 # img2dataset computes by default from every image's bytes, which no engine can skip
                 ["", "information: the limit loop plus the sha256 and EXIF of each image's bytes (the parquet's "
-                 f"columns; {lim['hash_exif_ms']:.3f} CPU-ms an image), images per CPU-second; shardprep's share",
-                 f"{_fmt(lim['with_hash_exif'])} ({lim['share_with_hash_exif'] * 100:.0f}%)", "", "", "", ""],
-                # the issue's wording ("80% of the per-core limit in rows per CPU-second") and its arithmetic
-                # (2.5 x img2dataset's 67.3 input rows per CPU-second = 168 = 80% of a 210 images-per-CPU-second
-                # limit) set input rows against the limit's images: broken rows count as rows and cost the
-                # limit nothing. Given as information; the floor above is judged on successful images
-                ["", "information: input rows per CPU-second, whole run, against the same limit (the issue's own "
-                 "arithmetic: rows against the limit's images); shardprep's share",
-                 f"{_fmt(_rate(rows_n, o['cpu']))} ({lim['share_rows'] * 100:.0f}%)", "", "", "", ""]]
+                 f"columns; {lim['hash_exif_ms']:.3f} CPU-ms an image), images per CPU-second; shardprep's share "
+                 "(successful images)",
+                 f"{_fmt(lim['with_hash_exif'])} ({lim['share_with_hash_exif'] * 100:.0f}%)", "", "", "", ""]]
     if name == "clip":
         n = o["count"]
         ratio = _rate(n, o["work"]) / _rate(n, t["work"])
@@ -729,16 +731,16 @@ def _details(results: dict, errors: dict) -> list[str]:
               "img2dataset's size, white border, OpenCV JPEG encode "
               f"q95; {r['limit']['loop_cpu_seconds']:.1f} CPU seconds in the loops (median). Measured right "
               "before and right after each run of ours, under the same machine load: images per CPU-second "
-              f"{', '.join(_fmt(x) for x in r['limit']['rates'])}; shardprep's share of it, run by run: "
-              f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares'])}. What the engine does on top: "
+              f"{', '.join(_fmt(x) for x in r['limit']['rates'])}; shardprep's share of it run by run, in input rows "
+              "as issue 22 counts it (the floor): "
+              f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares_rows'])}; in successful images "
+              f"(stricter): {', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares'])}. What the engine does on top: "
               "HTTP, header and truncation checks, EXIF, sha256, tar, parquet, threads, start-up. Of those, the "
               "sha256 and EXIF of each image's bytes (img2dataset's defaults; a second loop over the same bytes "
               f"after the limit's clock): {r['limit']['hash_exif_ms']:.3f} CPU-ms an image; the limit with them "
               f"{_fmt(r['limit']['with_hash_exif'])} images per CPU-second, shardprep's share of that run by run: "
               f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares_with_hash_exif'])} (information: the floor "
-              "is judged against the limit above). Input rows per CPU-second against the limit (the issue's "
-              "arithmetic, which counts the broken rows as rows), run by run: "
-              f"{', '.join(f'{x * 100:.0f}%' for x in r['limit']['shares_rows'])}",
+              "is judged against the limit above)",
               f"- same output: identical status counts, keys, tar members, json sizes/statuses/sha256 per key. "
               f"Pixels (our `fast_decode` JPEGs against img2dataset's, per image): PSNR min {_fmt(q['psnr_min'])} dB, "
               f"median {_fmt(q['psnr_median'])} dB; mean absolute difference max {_fmt(q['mad_max'], 2)}, median "
