@@ -181,8 +181,8 @@ def run_limit(name: str, settings: dict, expect: int | None, unit: str, log: str
     return limit
 
 
-def _more_share_runs(m: dict, ours_settings: dict, sandwiches: list[list[dict]], readings: list[dict],
-                     read_limit: Callable[[], dict], log: str) -> list:
+def _more_share_runs(m: dict, ours_settings: dict, sandwiches: list[list[dict]], read_limit: Callable[[], dict],
+                     log: str) -> list:
     """``image_share_reps`` more runs of ours after the pair's, each between two readings of the limit (the
     reading after one is the reading before the next), for the share of the limit alone: on a 2-core VM one
     run's share moves by several percent against the next (77% and 85% in one bench), more than the margin
@@ -193,12 +193,10 @@ def _more_share_runs(m: dict, ours_settings: dict, sandwiches: list[list[dict]],
     for _ in range(m.get("image_share_reps", 0)):
         if latest is None:
             latest = read_limit()
-            readings.append(latest)
         r = run_side(["images-ours", "--json", json.dumps(ours_settings)], log_path=log, timeout=1800)
         print(f"  {'images-ours (share)':22s} wall {r.seconds:7.2f}s  cpu {r.cpu_seconds:7.2f}s  {_short(r.result)}",
               flush=True)
         after = read_limit()
-        readings.append(after)
         sandwiches.append([latest, after])
         extra.append(r)
         latest = after
@@ -215,12 +213,15 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     sandwiches: list[list[dict]] = []  # per run of ours: the limit right before it and right after it
     readings: list[dict] = []  # every reading of the limit, in order
 
+    def read_limit() -> dict:
+        readings.append(run_limit("images", limit_settings, None, "images", log))
+        return readings[-1]
+
     def limit_beside(when: str) -> None:
         # this machine's speed drifts by several percent over minutes (the same loop: 278-302 images per
         # CPU-second ten minutes apart, the engine's runs beside them within 1%), so each run of ours is set
         # against the mean of the loop measured right before and right after it, under the same load
-        lim = run_limit("images", limit_settings, None, "images", log)
-        readings.append(lim)
+        lim = read_limit()
         if when == "before":
             sandwiches.append([lim])
         else:
@@ -234,8 +235,7 @@ def pair_images(m: dict, site: dict, server: Server, log: str) -> dict:
     statuses = ("successes", "failed_to_download", "failed_to_resize")
     if any(o[k] != t[k] for k in statuses):
         raise Mismatch(f"images: status counts differ: ours {o} vs img2dataset {t}")
-    share_runs = list(runs["ours"]) + _more_share_runs(m, ours_settings, sandwiches, readings,
-                                                        lambda: run_limit("images", limit_settings, None, "images", log), log)
+    share_runs = list(runs["ours"]) + _more_share_runs(m, ours_settings, sandwiches, read_limit, log)
     for r in share_runs:
         if any(r.result[k] != o[k] for k in statuses):
             raise Mismatch(f"images: status counts differ between runs of ours: {r.result} vs {o}")

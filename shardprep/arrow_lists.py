@@ -83,14 +83,17 @@ def _integers(values: list, arrow_type: pa.DataType) -> pa.Array:
     info = np.iinfo(dtype)
     if len(wide) and (int(wide.min()) < info.min or int(wide.max()) > info.max):
         raise OverflowError("out of the type's range")
-    data = wide.astype(dtype)
-    bitmap, nulls = _validity(values)
-    return pa.Array.from_buffers(arrow_type, len(values), [bitmap, pa.py_buffer(data)], null_count=nulls)
+    return _fixed_width(values, arrow_type, wide.astype(dtype))
 
 
 def _floats(values: list) -> pa.Array:
     if not all(v is None or type(v) is float for v in values):
         raise TypeError("not all float")  # ints, numpy scalars, ...: pyarrow's own rules decide
-    data = np.fromiter((0.0 if v is None else v for v in values), np.float64, len(values))
+    return _fixed_width(values, pa.float64(), np.fromiter((0.0 if v is None else v for v in values), np.float64,
+                                                          len(values)))
+
+
+def _fixed_width(values: list, arrow_type: pa.DataType, data: np.ndarray) -> pa.Array:
+    """The array of ``data`` (the values, a placeholder where ``values`` has None) with ``values``' nulls."""
     bitmap, nulls = _validity(values)
-    return pa.Array.from_buffers(pa.float64(), len(values), [bitmap, pa.py_buffer(data)], null_count=nulls)
+    return pa.Array.from_buffers(arrow_type, len(values), [bitmap, pa.py_buffer(data)], null_count=nulls)
