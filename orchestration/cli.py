@@ -47,7 +47,7 @@ def _start_daemon_early(config: str) -> None:
     first, 0.45 CPU-s of pydantic and the YAML, held the daemon back: the first run was enqueued 0.1-0.3 s
     later, bench/E2E.md.)"""
     from shardprep_dagster.orchestration.daemon_process import release, start_early
-    from shardprep_dagster.orchestration.instance import dagster_home, dagster_home_path
+    from shardprep_dagster.orchestration.home import dagster_home, dagster_home_path
 
     daemon = start_early(str(dagster_home_path()), wait_for_go=True)
     go = False

@@ -65,7 +65,8 @@ def execute(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary, progr
             # the unpartitioned outputs (balanced tars, wdinfo, precache, energon indexes) catch up in one run
             summary.shards_settled = newest_materialization(instance, plan.shard_keys)
             if stop.received() is None and (plan.rebuild or globals_needed(instance, plan.shard_keys,
-                                                                           plan.global_keys, plan.versions)):
+                                                                           plan.global_keys, plan.versions,
+                                                                           summary.shards_settled)):
                 bar.write("updating balanced tars, wdinfo, precached encodings and energon indexes ...")
                 result = global_job.execute_in_process(instance=instance, run_config=QUIET_RUN_CONFIG,
                                                        raise_on_error=False, tags=tags)

@@ -1,17 +1,21 @@
 """Locating the checkout and the Dagster instance the CLI, the demo and the UI share."""
 
 import contextlib
+import hashlib
 import os
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from shardprep.allocator import collector_paused
-from shardprep.storage import file_lock
+from shardprep.storage import atomic_write, file_lock
+from shardprep_dagster.orchestration.home import (  # noqa: F401 - where the instance's other users look
+    CHECKOUT,
+    POSTGRES_ENV_DEFAULTS,
+    dagster_home,
+    dagster_home_path,
+)
 from shardprep_dagster.resources.settings import default_download_slots, default_gpu_slots, load_settings
-
-CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def pool_limits() -> dict[str, int]:
@@ -37,29 +41,6 @@ def home_lock(home: str | os.PathLike | None, name: str) -> Iterator[None]:
 
 def instance_lock(instance, name: str):
     return home_lock(getattr(instance, "root_directory", None), name)
-
-
-# The server dagster.postgres.yaml points at, unless the environment names another (the yaml can only
-# read environment variables, which it requires to be set).
-POSTGRES_ENV_DEFAULTS = {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": "5432", "DAGSTER_PG_USER": "postgres",
-                         "DAGSTER_PG_PASSWORD": "", "DAGSTER_PG_DB": "test"}
-
-
-def dagster_home_path() -> Path:
-    """$DAGSTER_HOME, defaulting to ``<checkout>/.dagster_home``; nothing made."""
-    return Path(os.environ.get("DAGSTER_HOME") or CHECKOUT / ".dagster_home").resolve()
-
-
-def dagster_home() -> Path:
-    """``dagster_home_path()``, created with the repo's dagster.yaml."""
-    for var, value in POSTGRES_ENV_DEFAULTS.items():
-        os.environ.setdefault(var, value)
-    home = dagster_home_path()
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        shutil.copy(CHECKOUT / "dagster.yaml", home / "dagster.yaml")
-    os.environ["DAGSTER_HOME"] = str(home)
-    return home
 
 
 def apply_pool_limits(instance) -> None:
@@ -125,16 +106,61 @@ def cache_migration_scripts() -> None:
     ScriptDirectory.from_config = staticmethod(from_config)
 
 
+# Written under the instance's lock once an instance has been opened there (its storage made), holding a
+# digest of the dagster.yaml it was opened with: a later process opens that instance without the lock.
+MADE_MARK = ".shardprep-instance-made"
+
+
+def _settings_digest(home: Path) -> str:
+    return hashlib.sha256((home / "dagster.yaml").read_bytes()).hexdigest()
+
+
 def get_instance():
+    """The instance of ``$DAGSTER_HOME`` (made on first use), its pool limits set. Two processes making a
+    fresh instance at once race in its schema migration, so it is made under the home's lock; once made
+    (``MADE_MARK``), processes open it side by side: `shardprep run`'s CLI, queue daemon and the daemon's
+    code server open the instance together at start, and each opened it under the lock in turn, the daemon
+    ~0.2 s after the CLI had made it, on the path to the first run (bench/E2E.md). A changed dagster.yaml
+    (another storage) is made under the lock again."""
+    import dagster as dg
+
+    instance = _make()
+    if instance is None:
+        instance = dg.DagsterInstance.get()
+        apply_pool_limits(instance)
+    return instance
+
+
+def ensure_made() -> None:
+    """The instance of ``$DAGSTER_HOME`` made (as ``get_instance``), not opened where another process made it."""
+    instance = _make()
+    if instance is not None:
+        instance.dispose()
+
+
+def _make():
+    """The instance, opened and made under the lock if no process had made it (else None)."""
     import dagster as dg
 
     home = dagster_home()
     import_storage()
-    # two processes creating a fresh SQLite instance at once race in its schema migration
+    if _made(home):
+        return None
     with home_lock(home, "instance"):
+        if _made(home):  # (another process made it while this one waited)
+            return None
         instance = dg.DagsterInstance.get()
         apply_pool_limits(instance)
-    return instance
+        with atomic_write(str(home / MADE_MARK), "w") as f:
+            f.write(_settings_digest(home))
+        return instance
+
+
+def _made(home: Path) -> bool:
+    try:
+        return (home / MADE_MARK).read_text() == _settings_digest(home)
+    except FileNotFoundError:
+        return False
 
 
 if __name__ == "__main__":  # `make ui`: prepare the instance before the webserver and daemon start

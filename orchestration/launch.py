@@ -133,11 +133,13 @@ def materialized_out(instance: dg.DagsterInstance, backfill_id: str) -> bool:
     return _materialized_out(instance, instance.get_backfill(backfill_id))
 
 
-def finished_or_materialized_out(instance: dg.DagsterInstance, backfill_id: str) -> bool:
-    """``materialized_out``, or finished (the daemon may have marked it since the caller last read it),
+def settled(instance: dg.DagsterInstance, backfill_id: str) -> str | None:
+    """"finished" (the daemon has marked it over), "materialized out" (``materialized_out``) or None (neither),
     from one read of the backfill."""
     backfill = instance.get_backfill(backfill_id)
-    return (backfill is not None and backfill_over(backfill.status)) or _materialized_out(instance, backfill)
+    if backfill is not None and backfill_over(backfill.status):
+        return "finished"
+    return "materialized out" if _materialized_out(instance, backfill) else None
 
 
 def _materialized_out(instance: dg.DagsterInstance, backfill: PartitionBackfill | None) -> bool:
@@ -198,16 +200,19 @@ def error_cause(error) -> str:
     return lines[0].removeprefix("dagster._core.definitions.events.Failure: ")
 
 
-def failures(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, str]:
+def failures(instance: dg.DagsterInstance, backfill_id: str, materialized: bool = False) -> dict[str, str]:
     """``{shard: first error}`` for every shard the backfill did not materialize entirely ("(global)" for
     unpartitioned assets): a batched step reports each shard's own error (``assets.shard_runs``), else a
     step's error counts for every shard of its run; a run that died without a step failure (its worker
-    killed) gives its run failure; a pair no run reached is "not materialized"."""
+    killed) gives its run failure; a pair no run reached is "not materialized". ``materialized``: the
+    backfill was found ``materialized_out`` (every pair materialized since it began), so none is missing."""
     out: dict[str, str] = {}
     runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id},
                                                    statuses=[dg.DagsterRunStatus.FAILURE]))
     for run in runs:
         run_failures(instance, run, out)
+    if materialized:
+        return out
     backfill = instance.get_backfill(backfill_id)
     data = backfill.asset_backfill_data if backfill is not None else None
     if data is not None:

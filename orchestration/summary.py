@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from shardprep_dagster.orchestration.plan import Plan, current_partitions, global_is_current, incomplete_shards
+from shardprep_dagster.orchestration.plan import Plan, current_globals, current_partitions, incomplete_shards
 
 
 @dataclass
@@ -63,9 +63,10 @@ def finish(plan: Plan, instance: dg.DagsterInstance, summary: RunSummary) -> Run
         return summary
     for shard, assets in sorted(missing.items()):
         summary.failed.setdefault(shard, f"{', '.join(assets)}: not materialized at the current version{others}")
+    current_global = current_globals(instance, plan.global_keys, plan.versions, summary.shards_settled)
     for k in plan.global_keys:
         name = k.to_user_string()
-        ok = global_is_current(instance, k, plan.versions.get(k.path[-1]), summary.shards_settled)
+        ok = k in current_global
         summary.materialized[name] = int(ok)
         summary.global_assets.append(name)
         if not ok:

@@ -149,6 +149,26 @@ def test_status_and_help_import_no_dagster_and_no_engine(tmp_path, argv):
         assert "image_shards" in out.stdout and not (tmp_path / "out").exists()  # shown, nothing written
 
 
+
+def test_shardprep_run_starts_its_daemon_before_any_heavy_import(tmp_path):
+    """`shardprep run` starts its queue daemon first thing (``cli._start_daemon_early``): every import before
+    the daemon's spawn delays the daemon's own imports, which lie on the path to the first run. The modules
+    it takes the instance's folder from import the standard library only (``orchestration.home``; through
+    ``orchestration.instance`` they imported fsspec, pydantic and the storage layer: the daemon started
+    ~0.13 s later, bench/E2E.md)."""
+    code = ("import sys\nfrom shardprep_dagster.orchestration import cli, daemon_process\n"
+            "seen = []\n"
+            "def start_early(home, wait_for_go=False):\n"
+            "    seen.append(sorted({m.split('.')[0] for m in sys.modules} & {'dagster', 'fsspec', 'pydantic', "
+            "'pyarrow', 'numpy', 'yaml', 'sqlalchemy', 'shardprep'}))\n"
+            "daemon_process.start_early = start_early\n"
+            f"try:\n    cli._start_daemon_early({str(tmp_path / 'missing.yaml')!r})\nexcept Exception:\n    pass\n"
+            "print('AT SPAWN', seen)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DAGSTER_HOME": str(tmp_path / "home")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "AT SPAWN [[]]", out.stdout[-2000:]
+
 LAYERS = {"shardprep": 0, "resources": 1, "assets": 2, "sensors": 3, "definitions": 4, "orchestration": 5}
 
 

@@ -204,3 +204,61 @@ print(sorted(set(loaded)))
     out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DAGSTER_HOME": str(tmp_path)},
                          cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] in ("[]", "['env.py']"), out
+
+
+
+_OPEN = """
+import dagster
+from shardprep_dagster.orchestration.instance import get_instance, import_storage
+import_storage()
+print("READY", flush=True)  # (what is left is the open itself: well under a second)
+get_instance().dispose()
+print("OPENED", flush=True)
+"""
+
+
+def test_a_made_instance_is_opened_without_the_lock_and_a_fresh_one_under_it(tmp_path):
+    """The instance's lock guards its making only (two processes making a fresh SQLite schema race in its
+    migration). Once made, `shardprep run`'s CLI, daemon and code server open it side by side: under the lock
+    they took turns, on the path to the first run. A changed dagster.yaml (another storage) is made under
+    the lock again."""
+    import os
+    import select
+    import shutil
+    import subprocess
+    import sys
+
+    from shardprep_dagster.orchestration import instance
+    from tests.fixtures.configs import CHECKOUT
+
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(CHECKOUT / "dagster.yaml", home / "dagster.yaml")
+
+    def line(fd: int, seconds: float) -> str | None:  # unbuffered: what select sees is what is unread
+        out = b""
+        while not out.endswith(b"\n"):
+            if not select.select([fd], [], [], seconds)[0]:
+                return None
+            out += os.read(fd, 1)
+        return out.decode().strip()
+
+    def opens_while_locked() -> bool:
+        with instance.home_lock(home, "instance"):
+            proc = subprocess.Popen([sys.executable, "-c", _OPEN], env={**os.environ, "DAGSTER_HOME": str(home)},
+                                    cwd=CHECKOUT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+            fd = proc.stdout.fileno()
+            assert line(fd, 120) == "READY"
+            opened = line(fd, 10) == "OPENED"  # within 10 s: it did not wait for the lock
+        assert opened or line(fd, 120) == "OPENED"  # once the lock is free, at the latest
+        assert proc.wait(timeout=60) == 0
+        return opened
+
+    assert not (home / instance.MADE_MARK).exists()
+    assert not opens_while_locked()  # fresh: made under the lock
+    assert (home / instance.MADE_MARK).exists()
+    assert opens_while_locked()  # made: opened beside the lock's holder
+    with open(home / "dagster.yaml", "a") as f:
+        f.write("\n# another storage\n")
+    assert not opens_while_locked()  # changed settings: made under the lock again
+    assert opens_while_locked()
