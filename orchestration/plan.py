@@ -56,6 +56,11 @@ def _version(record: EventLogRecord | None) -> str | None:
     return None if materialization is None else materialization.tags.get(DATA_VERSION_TAG, "")
 
 
+def _at_version(key: dg.AssetKey, record: EventLogRecord | None, versions: dict[str, str]) -> bool:
+    """Whether ``record`` (``key``'s latest materialization, None: never) was made at the config's version."""
+    return _version(record) == versions.get(key.path[-1])
+
+
 def todo_by_shard(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey], versions: dict[str, str],
                   shards: list[str]) -> dict[str, list[dg.AssetKey]]:
     """``{shard: [asset keys to materialize]}`` for every shard, in ``asset_keys`` order."""
@@ -88,7 +93,7 @@ def outdated_globals(instance: dg.DagsterInstance, asset_keys: list[dg.AssetKey]
                      versions: dict[str, str]) -> list[dg.AssetKey]:
     """Unpartitioned assets never materialized, or last materialized at another version."""
     latest = latest_materializations(instance, asset_keys)
-    return [k for k in asset_keys if _version(latest[k]) != versions.get(k.path[-1])]
+    return [k for k in asset_keys if not _at_version(k, latest[k], versions)]
 
 
 def _latest_storage_id(instance: dg.DagsterInstance, key: dg.AssetKey) -> int | None:
@@ -106,7 +111,7 @@ def current_globals(instance: dg.DagsterInstance, keys: list[dg.AssetKey], versi
     """The unpartitioned ``keys`` last materialized at their version of ``versions``, after storage id ``after``."""
     latest = latest_materializations(instance, keys)
     return {k for k, record in latest.items()
-            if record is not None and _version(record) == versions.get(k.path[-1]) and record.storage_id > after}
+            if record is not None and _at_version(k, record, versions) and record.storage_id > after}
 
 
 def globals_needed(instance: dg.DagsterInstance, shard_keys: list[dg.AssetKey], global_keys: list[dg.AssetKey],
@@ -117,7 +122,7 @@ def globals_needed(instance: dg.DagsterInstance, shard_keys: list[dg.AssetKey], 
     if not global_keys:
         return False
     latest = latest_materializations(instance, global_keys)
-    if any(_version(latest[k]) != versions.get(k.path[-1]) for k in global_keys):
+    if not all(_at_version(k, latest[k], versions) for k in global_keys):
         return True
     if newest_shard is None:
         newest_shard = newest_materialization(instance, shard_keys)
